@@ -1,0 +1,166 @@
+"""The DeepSeek-V4 model: embedding, hc-expanded blocks, hc head, final norm, LM head, MTP blocks.
+
+Module and buffer names are the official checkpoint names (SPEC §3.2): `state_dict()` keys are the
+tensor names of a checkpoint, with no renaming table. `Transformer.forward` runs a chunk of tokens
+at the state's position (prefill chunk or single decode token) and returns next-token logits (fp32)
+for every position of the chunk; a fresh state and the whole sequence is the stateless forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsv4.config import LayerSpec, ModelConfig
+from dsv4.model.attention import Attention
+from dsv4.model.layers import Linear, Numerics, RMSNorm, Rope
+from dsv4.model.mhc import hc_head, hc_post, hc_pre
+from dsv4.model.moe import MoE
+from dsv4.state import BlockState, ModelState
+
+
+def linear_formats(cfg: ModelConfig) -> tuple[str, dict, str, dict]:
+    """(format, options) of the FP8-family projections and of the routed experts, from the config."""
+    if cfg.quant is None:
+        return "dense", {}, "dense", {}
+    fp8_opts = {"scale_dtype": cfg.quant.fp8_scale_dtype}
+    expert = cfg.quant.expert_format
+    return "fp8", fp8_opts, expert, (fp8_opts if expert == "fp8" else {})
+
+
+def _register_hc(owner: nn.Module, prefix: str, mix: int, width: int, n_scale: int) -> None:
+    owner.register_buffer(f"{prefix}_fn", torch.zeros(mix, width, dtype=torch.float32))
+    owner.register_buffer(f"{prefix}_base", torch.zeros(mix, dtype=torch.float32))
+    owner.register_buffer(f"{prefix}_scale", torch.zeros(n_scale, dtype=torch.float32))
+
+
+def check_reference_shapes(cfg: ModelConfig) -> None:
+    """Reference numerics simulate quantization in fixed blocks; the dims must tile them."""
+    need = [("head_dim - qk_rope_head_dim", cfg.nope_head_dim, 64, "FP8 KV simulation")]
+    if any(s.has_indexer for s in cfg.layers + cfg.mtp_layers):
+        need.append(("index_head_dim", cfg.index_head_dim, 32, "indexer FP4 simulation"))
+    if cfg.quant is not None:  # FP8 1x128 activation quantization before every quantized linear
+        need += [("hidden_size", cfg.hidden_size, 128, "FP8 activation blocks"),
+                 ("q_lora_rank", cfg.q_lora_rank, 128, "FP8 activation blocks"),
+                 ("o_groups * o_lora_rank", cfg.o_groups * cfg.o_lora_rank, 128, "FP8 activation blocks"),
+                 ("moe_intermediate_size", cfg.moe_intermediate_size, 128, "FP8 activation blocks")]
+    for name, value, block, why in need:
+        if value % block:
+            raise ValueError(f"reference numerics need {name} ({value}) to be a multiple of {block} ({why})")
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, numerics: Numerics):
+        super().__init__()
+        self.cfg, self.spec, self.numerics = cfg, spec, numerics
+        fmt, fmt_opts, efmt, eopts = linear_formats(cfg)
+        D = cfg.hidden_size
+        self.attn_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.ffn_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, spec, numerics, fmt, **fmt_opts)
+        self.ffn = MoE(cfg, spec, numerics, fmt, efmt, fmt_opts, eopts)
+        for site in ("attn", "ffn"):
+            _register_hc(self, f"hc_{site}", cfg.hc_mix, cfg.hc_mult * D, 3)
+
+    def _hc_pre(self, x: torch.Tensor, site: str):
+        c = self.cfg
+        return hc_pre(x, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
+                      getattr(self, f"hc_{site}_scale"), c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, p0: int, st: BlockState, rope: Rope) -> torch.Tensor:
+        # x: [B,S,hc,D] residual streams -> [B,S,hc,D]
+        y, post, comb = self._hc_pre(x, "attn")
+        x = hc_post(self.attn(self.attn_norm(y), p0, st, rope), x, post, comb)
+        y, post, comb = self._hc_pre(x, "ffn")
+        return hc_post(self.ffn(self.ffn_norm(y), ids), x, post, comb)
+
+
+class MTPBlock(Block):
+    """Multi-token prediction block (SPEC §2.9): a Block fed hnorm(main streams) and enorm(embedding)."""
+
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, numerics: Numerics):
+        super().__init__(cfg, spec, numerics)
+        fmt, fmt_opts, _, _ = linear_formats(cfg)
+        D = cfg.hidden_size
+        self.e_proj = Linear(D, D, fmt, numerics, **fmt_opts)
+        self.h_proj = Linear(D, D, fmt, numerics, **fmt_opts)
+        self.enorm = RMSNorm(D, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(D, cfg.rms_norm_eps)
+        self.norm = RMSNorm(D, cfg.rms_norm_eps)
+        _register_hc(self, "hc_head", cfg.hc_mult, cfg.hc_mult * D, 1)
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab: int, dim: int):
+        super().__init__()
+        self.register_buffer("weight", torch.zeros(vocab, dim, dtype=torch.bfloat16))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, numerics: Numerics | None = None, max_pos: int | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.numerics = numerics or Numerics()
+        if self.numerics.reference:
+            check_reference_shapes(cfg)
+        D = cfg.hidden_size
+        self.embed = Embedding(cfg.vocab_size, D)
+        self.layers = nn.ModuleList(Block(cfg, s, self.numerics) for s in cfg.layers)
+        self.norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.head = Embedding(cfg.vocab_size, D)  # [vocab, D] weight, applied in fp32
+        _register_hc(self, "hc_head", cfg.hc_mult, cfg.hc_mult * D, 1)
+        self.mtp = nn.ModuleList(MTPBlock(cfg, s, self.numerics) for s in cfg.mtp_layers)
+        self.max_pos = max_pos or cfg.max_position_embeddings
+        self._ropes: dict = {}
+
+    # ---- helpers ----
+    def rope(self, kind: str, device) -> Rope:
+        """RoPE table of `kind` ("main" | "compress") on `device`, built on first use up to max_pos."""
+        key = (kind, str(device))
+        if key not in self._ropes:
+            c = self.cfg
+            self._ropes[key] = Rope(c.qk_rope_head_dim, c.theta_for(kind), c.rope_scaling_for(kind), self.max_pos, device)
+        return self._ropes[key]
+
+    def new_state(self, max_len: int, batch: int = 1, with_mtp: bool = False) -> ModelState:
+        dev = self.embed.weight.device
+        return ModelState(self.cfg, batch, max_len, self.numerics.dtype, dev, with_mtp=with_mtp)
+
+    def logits(self, x: torch.Tensor, fn, base, scale, norm: RMSNorm) -> torch.Tensor:
+        # x: [B,S,hc,D] -> [B,S,vocab] fp32
+        z = norm(hc_head(x, fn, base, scale, self.cfg.hc_eps, self.cfg.rms_norm_eps))
+        return z.float() @ self.head.weight.float().T
+
+    # ---- forward ----
+    def forward_streams(self, ids: torch.Tensor, state: ModelState) -> torch.Tensor:
+        """ids: [B,S] at positions state.pos.. -> final residual streams [B,S,hc,D]; advances state.pos."""
+        B, S = ids.shape
+        p0 = state.pos
+        if p0 + S > state.max_len:
+            raise ValueError(f"positions {p0}..{p0 + S - 1} exceed the state's max_len {state.max_len}")
+        if p0 + S > self.max_pos:
+            raise ValueError(f"positions {p0}..{p0 + S - 1} exceed the model's RoPE table ({self.max_pos})")
+        h = self.embed.weight[ids].to(self.numerics.dtype)  # [B,S,D]
+        x = h.unsqueeze(2).repeat(1, 1, self.cfg.hc_mult, 1)  # four identical streams
+        for layer, st in zip(self.layers, state.blocks):
+            x = x.to(layer.attn_norm.weight.device)
+            x = layer(x, ids.to(x.device), p0, st, self.rope(layer.spec.rope, x.device))
+        state.pos = p0 + S
+        return x
+
+    def forward(self, ids: torch.Tensor, state: ModelState, last_only: bool = False) -> torch.Tensor:
+        """ids: [B,S] -> next-token logits [B,S,vocab] fp32 (or [B,1,vocab] with last_only)."""
+        x = self.forward_streams(ids, state)
+        if last_only:
+            x = x[:, -1:]
+        x = x.to(self.head.weight.device)
+        return self.logits(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.norm)
+
+    def forward_mtp(self, next_ids: torch.Tensor, streams: torch.Tensor, state: ModelState, p0: int, k: int = 0) -> torch.Tensor:
+        """MTP block k: main streams [B,S,hc,D] at positions p0.. with the NEXT tokens' ids [B,S]
+        -> logits [B,S,vocab] predicting the token after next (standard DeepSeek MTP alignment)."""
+        blk = self.mtp[k]
+        e = blk.enorm(self.embed.weight[next_ids].to(self.numerics.dtype))
+        x = blk.h_proj(blk.hnorm(streams)) + blk.e_proj(e).unsqueeze(2)
+        x = blk(x, next_ids, p0, state.mtp[k], self.rope(blk.spec.rope, x.device))
+        return self.logits(x, blk.hc_head_fn, blk.hc_head_base, blk.hc_head_scale, blk.norm)

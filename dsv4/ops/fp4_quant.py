@@ -1,0 +1,51 @@
+"""FP4 e2m1 rounding and the reference "FP4-simulate" of activations (SPEC 2.0, 3.3).
+
+Owns the e2m1 grid (E2M1_LUT, the signed 16-entry decode table: bit 3 = sign, bits 2..0 =
+magnitude code), round-to-nearest-even onto it, and `fp4_act_quant_sim_ref`: 1 x 32 blocks,
+amax floored at 6*2^-126, scale 2^ceil(log2(amax * fp32(1/6))), x <- e2m1(clamp(x/s, +-6))*s.
+Only the Lightning Indexer's q/k use the simulation; formats.py reuses the encoder for packing.
+"""
+
+import torch
+
+from dsv4.ops.act_quant import ue8m0_ceil_ref
+
+FP4_MAX = 6.0
+FP4_AMAX_FLOOR = 6.0 * 2.0**-126
+FP4_MAX_INV = torch.tensor(1.0 / FP4_MAX, dtype=torch.float32).item()  # kernel's fp4_max_inv
+
+# Decode table indexed by a 4-bit code; code & 7 indexes the magnitude, code & 8 is the sign.
+E2M1_LUT = torch.tensor(
+    [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=torch.float32
+)
+# Midpoint between magnitude codes i and i+1, and whether a tie there rounds up: ties go to the
+# even code, i.e. up exactly when i is odd (.75->1, 1.75->2, 3.5->4; .25->0, 1.25->1, 2.5->2, 5->4).
+_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def e2m1_encode_ref(t: torch.Tensor) -> torch.Tensor:
+    """t: any shape, values meant to lie in [-6, 6] (larger magnitudes saturate to 6) ->
+    uint8 codes 0..15, RNE onto the e2m1 grid; the sign bit follows t's sign bit (-0.1 -> -0)."""
+    a = t.float().abs()
+    mag = torch.zeros(a.shape, dtype=torch.uint8, device=a.device)
+    for i, m in enumerate(_MIDPOINTS):
+        mag += (a >= m) if i % 2 else (a > m)
+    return mag | (torch.signbit(t).to(torch.uint8) << 3)
+
+
+def e2m1_round_ref(t: torch.Tensor) -> torch.Tensor:
+    """t -> fp32 values of t rounded (RNE) onto the signed e2m1 grid; same shape."""
+    return E2M1_LUT.to(t.device)[e2m1_encode_ref(t).long()]
+
+
+def fp4_act_quant_sim_ref(x: torch.Tensor, block_size: int = 32) -> torch.Tensor:
+    """x: [..., K] (K % block_size == 0) -> FP4-simulated x, same shape and dtype; fp32 math."""
+    if x.dim() == 0 or block_size <= 0 or x.shape[-1] % block_size != 0:
+        raise ValueError(
+            f"last dim of {tuple(x.shape)} must be a multiple of block_size={block_size}"
+        )
+    xb = x.float().unflatten(-1, (x.shape[-1] // block_size, block_size))  # [..., K/b, b]
+    amax = xb.abs().amax(-1, keepdim=True).clamp_min(FP4_AMAX_FLOOR)  # [..., K/b, 1]
+    s = ue8m0_ceil_ref(amax * FP4_MAX_INV)
+    y = e2m1_round_ref((xb / s).clamp(-FP4_MAX, FP4_MAX)) * s  # exact: s is a power of two
+    return y.flatten(-2).to(x.dtype)

@@ -1,0 +1,73 @@
+"""Per-sequence inference state, preallocated once for a maximum context and never grown.
+
+Per block: the sliding-window KV ring (`sliding_window` slots, slot = p mod W), the compressed KV
+entries, the compressor's raw per-token partial windows (values and gate+ape scores, CSA also the
+previous complete window for the overlap), and for CSA the indexer's key cache and its compressor
+state. `ModelState.reset()` starts a new sequence: positions to 0, compressor scores to -inf.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4.config import LayerSpec, ModelConfig
+
+
+class CompressorState:
+    """Raw projections of the incomplete window (+ CSA's previous window) and the emitted entries.
+
+    kv / score: fp32 [B, coff*r, coff*d]. CSA (coff=2): slots 0..r-1 = previous complete window,
+    slots r..2r-1 = current window; HCA (coff=1): slot = p mod r. Scores include `ape`.
+    entries: [B, max_len // r, d] in the activation dtype (post norm/RoPE/quant simulation).
+    """
+
+    def __init__(self, batch: int, ratio: int, dim: int, overlap: bool, max_len: int, dtype, device):
+        coff = 2 if overlap else 1
+        self.ratio, self.dim, self.overlap = ratio, dim, overlap
+        self.kv = torch.zeros(batch, coff * ratio, coff * dim, dtype=torch.float32, device=device)
+        self.score = torch.full_like(self.kv, float("-inf"))
+        self.entries = torch.zeros(batch, max(max_len // ratio, 1), dim, dtype=dtype, device=device)
+
+    def reset(self) -> None:
+        self.kv.zero_()
+        self.score.fill_(float("-inf"))
+        self.entries.zero_()
+
+
+class BlockState:
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, batch: int, max_len: int, dtype, device):
+        self.window = torch.zeros(batch, cfg.sliding_window, cfg.head_dim, dtype=dtype, device=device)
+        self.compressor = None
+        self.indexer = None
+        if spec.ratio > 0:
+            self.compressor = CompressorState(batch, spec.ratio, cfg.head_dim, spec.overlap, max_len, dtype, device)
+        if spec.has_indexer:
+            self.indexer = CompressorState(batch, spec.ratio, cfg.index_head_dim, True, max_len, dtype, device)
+
+    def reset(self) -> None:
+        self.window.zero_()
+        for c in (self.compressor, self.indexer):
+            if c is not None:
+                c.reset()
+
+
+class ModelState:
+    """All state of `batch` sequences that advance together, for up to `max_len` positions."""
+
+    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, dtype=torch.float32, device="cpu",
+                 with_mtp: bool = False):
+        if max_len < 1:
+            raise ValueError(f"max_len must be >= 1, got {max_len}")
+        if max_len > cfg.max_position_embeddings:
+            raise ValueError(
+                f"max_len {max_len} exceeds the model's max_position_embeddings {cfg.max_position_embeddings}"
+            )
+        self.batch, self.max_len = batch, max_len
+        self.pos = 0  # number of tokens already processed (the next token's position)
+        self.blocks = [BlockState(cfg, s, batch, max_len, dtype, device) for s in cfg.layers]
+        self.mtp = [BlockState(cfg, s, batch, max_len, dtype, device) for s in cfg.mtp_layers] if with_mtp else []
+
+    def reset(self) -> None:
+        self.pos = 0
+        for b in self.blocks + self.mtp:
+            b.reset()

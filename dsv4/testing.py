@@ -1,0 +1,76 @@
+"""Test support shared by tests/ and tools/: the one tolerance table, comparison helpers, tiny configs.
+
+Every threshold used by a test lives in TOLERANCES with its justification; no test loosens one
+locally. `tiny_config` builds official-style config.json dicts for random tiny models.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# name -> (threshold, why). Relative errors are max|a-b| / max|b| over the whole tensor.
+TOLERANCES: dict[str, tuple[float, str]] = {
+    "logits_exact_fp32": (
+        1e-4,
+        "fp32 model vs transformers fp32: same math, different summation order; observed ~1e-6",
+    ),
+    "logits_incremental_fp32": (
+        1e-4,
+        "chunked/decode vs one-shot forward in fp32: only summation order differs",
+    ),
+}
+
+
+def tol(name: str) -> float:
+    return TOLERANCES[name][0]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max|a-b| / max|b| (b is the reference)."""
+    a, b = a.float(), b.float()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def assert_close_rel(a: torch.Tensor, b: torch.Tensor, name: str) -> None:
+    if a.shape != b.shape:
+        raise AssertionError(f"{name}: shape {tuple(a.shape)} vs reference {tuple(b.shape)}")
+    if not torch.isfinite(a).all():
+        raise AssertionError(f"{name}: non-finite values")
+    err = rel_err(a, b)
+    if err > tol(name):
+        flat = (a.float() - b.float()).abs().flatten().argmax().item()
+        coord = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), a.shape))
+        raise AssertionError(f"{name}: relative error {err:.3e} > {tol(name):.1e} (worst at {coord})")
+
+
+def tiny_config(ratios: list[int], *, n_mtp: int = 1, num_hash_layers: int = 1, hidden: int = 64,
+                heads: int = 4, head_dim: int = 64, rope_dim: int = 16, window: int = 16, index_topk: int = 5,
+                index_heads: int = 16, index_dim: int = 32, experts: int = 8, topk: int = 2, vocab: int = 300,
+                yarn: tuple[float, int] | None = (4.0, 64), max_pos: int = 1024, scoring: str = "sqrtsoftplus",
+                **over: Any) -> dict[str, Any]:
+    """An official-style config.json dict for a random tiny model.
+
+    `ratios` lists the main layers' compress ratios; MTP blocks get ratio 0 (as in Flash).
+    index_heads defaults to 16: with few heads the ReLU'd indexer scores are often exactly 0 and
+    ties make top-k selection implementation-defined.
+    """
+    cfg: dict[str, Any] = dict(
+        architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4",
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=len(ratios), num_attention_heads=heads,
+        num_key_value_heads=1, head_dim=head_dim, qk_rope_head_dim=rope_dim, q_lora_rank=hidden // 2,
+        o_groups=2, o_lora_rank=hidden // 4, sliding_window=window, compress_ratios=list(ratios) + [0] * n_mtp,
+        compress_rope_theta=160000.0, rope_theta=10000.0, max_position_embeddings=max_pos,
+        index_n_heads=index_heads, index_head_dim=index_dim, index_topk=index_topk, n_routed_experts=experts,
+        n_shared_experts=1, num_experts_per_tok=topk, moe_intermediate_size=hidden // 2,
+        num_hash_layers=num_hash_layers, scoring_func=scoring, norm_topk_prob=True, routed_scaling_factor=1.5,
+        swiglu_limit=10.0, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=1e-6,
+        num_nextn_predict_layers=n_mtp, bos_token_id=0, eos_token_id=1, hidden_act="silu",
+        topk_method="noaux_tc", tie_word_embeddings=False,
+    )
+    if yarn is not None:
+        cfg["rope_scaling"] = dict(type="yarn", factor=yarn[0], original_max_position_embeddings=yarn[1],
+                                   beta_fast=32, beta_slow=1)
+    cfg.update(over)
+    return cfg

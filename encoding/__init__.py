@@ -1,0 +1,19 @@
+"""DeepSeek-V4 text side: chat encoding, completion parsing (whole and streaming), tokenizer.
+
+Re-exports the public API of `encoding_dsv4` (prompt rendering / parsing, byte-identical to the
+official encoder for the "preview" and "0731" releases), `streaming` (incremental reasoning /
+content / DSML tool-call parser) and `tokenizer` (tokenizer.json loading and detokenization).
+"""
+
+from .encoding_dsv4 import (
+    ASSISTANT, BOS, DSML, EOS, RELEASES, THINK_END, THINK_START, USER, encode_messages,
+    normalize_release, parse_message_from_completion_text, release_from_config,
+)
+from .streaming import StreamDelta, StreamingParser
+from .tokenizer import IncrementalDecoder, Tokenizer, load_tokenizer
+
+__all__ = [
+    "ASSISTANT", "BOS", "DSML", "EOS", "RELEASES", "THINK_END", "THINK_START", "USER",
+    "encode_messages", "normalize_release", "parse_message_from_completion_text", "release_from_config",
+    "StreamDelta", "StreamingParser", "IncrementalDecoder", "Tokenizer", "load_tokenizer",
+]
