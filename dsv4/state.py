@@ -18,7 +18,8 @@ class CompressorState:
 
     kv / score: fp32 [B, coff*r, coff*d]. CSA (coff=2): slots 0..r-1 = previous complete window,
     slots r..2r-1 = current window; HCA (coff=1): slot = p mod r. Scores include `ape`.
-    entries: [B, max_len // r, d] in the activation dtype (post norm/RoPE/quant simulation).
+    entries: [B, max_len // r + 1, d] in the activation dtype (post norm/RoPE/quant simulation); the
+    spare last slot is the target of the static decode step while a never-closing window is open.
     """
 
     def __init__(self, batch: int, ratio: int, dim: int, overlap: bool, max_len: int, dtype, device):
@@ -26,7 +27,7 @@ class CompressorState:
         self.ratio, self.dim, self.overlap = ratio, dim, overlap
         self.kv = torch.zeros(batch, coff * ratio, coff * dim, dtype=torch.float32, device=device)
         self.score = torch.full_like(self.kv, float("-inf"))
-        self.entries = torch.zeros(batch, max(max_len // ratio, 1), dim, dtype=dtype, device=device)
+        self.entries = torch.zeros(batch, max_len // ratio + 1, dim, dtype=dtype, device=device)
 
     def reset(self) -> None:
         self.kv.zero_()
@@ -55,7 +56,8 @@ class ModelState:
     """All state of `batch` sequences that advance together, for up to `max_len` positions."""
 
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, dtype=torch.float32, device="cpu",
-                 with_mtp: bool = False):
+                 with_mtp: bool = False, block_devices: list | None = None, mtp_devices: list | None = None):
+        """block_devices / mtp_devices: per-block devices (layers spread over GPUs); default `device`."""
         if max_len < 1:
             raise ValueError(f"max_len must be >= 1, got {max_len}")
         if max_len > cfg.max_position_embeddings:
@@ -64,8 +66,10 @@ class ModelState:
             )
         self.batch, self.max_len = batch, max_len
         self.pos = 0  # number of tokens already processed (the next token's position)
-        self.blocks = [BlockState(cfg, s, batch, max_len, dtype, device) for s in cfg.layers]
-        self.mtp = [BlockState(cfg, s, batch, max_len, dtype, device) for s in cfg.mtp_layers] if with_mtp else []
+        bdev = block_devices or [device] * len(cfg.layers)
+        mdev = mtp_devices or [device] * len(cfg.mtp_layers)
+        self.blocks = [BlockState(cfg, s, batch, max_len, dtype, d) for s, d in zip(cfg.layers, bdev)]
+        self.mtp = [BlockState(cfg, s, batch, max_len, dtype, d) for s, d in zip(cfg.mtp_layers, mdev)] if with_mtp else []
 
     def reset(self) -> None:
         self.pos = 0

@@ -74,3 +74,60 @@ def tiny_config(ratios: list[int], *, n_mtp: int = 1, num_hash_layers: int = 1, 
                                    beta_fast=32, beta_slow=1)
     cfg.update(over)
     return cfg
+
+
+@torch.no_grad()
+def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Fill every tensor of a dsv4 model in place with seeded random values in its stored format.
+
+    Linear weights are drawn in float (std 1/sqrt(K)) on their device and quantized into the layer's
+    format; norms ~1, hc mixers small, sinks ~N(0,1), tid2eid distinct random experts. Activations
+    stay O(1) through the layers, so the model can be run (tests, benchmarks) without a checkpoint.
+    """
+    from dsv4.model.layers import Linear
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def randn(shape, device, std=1.0):
+        gen = torch.Generator(device=device).manual_seed(int(torch.randint(0, 2**62, (1,), generator=g)))
+        return torch.randn(shape, generator=gen, device=device) * std
+
+    done = set()
+    for mname, mod in model.named_modules():
+        if isinstance(mod, Linear):
+            dev = next(iter(mod._buffers.values())).device
+            w = randn((mod.out_features, mod.in_features), dev, mod.in_features ** -0.5)
+            opts = {"dtype": mod.weight.dtype} if mod.fmt == "dense" else {}
+            if mod.fmt == "fp8":
+                opts = {"scale_dtype": "e8m0" if mod.scale.dtype == torch.float8_e8m0fnu else "f32"}
+            stored = mod.cls.quantize(w, **opts).tensors()
+            for sfx, t in stored.items():
+                mod._buffers[sfx].copy_(t)
+                done.add(f"{mname}.{sfx}")
+    for name, buf in model.named_buffers():
+        if name in done:
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        dev = buf.device
+        if leaf == "tid2eid":
+            E = model.cfg.n_routed_experts
+            val = torch.rand(buf.shape[0], E, generator=g).argsort(-1)[:, : buf.shape[1]]
+        elif leaf.endswith("_fn"):
+            val = randn(buf.shape, dev, 0.5 * buf.shape[-1] ** -0.5)
+        elif leaf.endswith("_base"):
+            val = randn(buf.shape, dev, 0.5)
+        elif leaf.endswith("_scale"):
+            val = 1 + randn(buf.shape, dev, 0.3)
+        elif leaf == "attn_sink":
+            val = randn(buf.shape, dev)
+        elif leaf in ("ape", "bias"):
+            val = randn(buf.shape, dev, 0.5)
+        elif "norm" in name:
+            val = 1 + randn(buf.shape, dev, 0.1)
+        elif name in ("embed.weight", "head.weight") or leaf == "weight":
+            std = 1.0 if name == "embed.weight" else buf.shape[-1] ** -0.5
+            val = randn(buf.shape, dev, std)
+        else:
+            raise ValueError(f"randomize_: no rule for {name}")
+        buf.copy_(val.to(buf.dtype))
+    return model

@@ -52,20 +52,32 @@ class Attention(nn.Module):
             return kv
         return torch.cat((act_quant_sim_ref(kv[..., : self.nope_dim], 64), kv[..., self.nope_dim:]), -1)
 
-    def forward(self, x: torch.Tensor, p0: int, st: BlockState, rope: Rope) -> torch.Tensor:
-        # x: [B,S,D] (attn_norm output) at positions p0..p0+S-1 -> [B,S,D]
-        B, S, _ = x.shape
-        dt = self.numerics.dtype
-        pos = torch.arange(p0, p0 + S, device=x.device)
-
-        qr = self.q_norm(self.wq_a(x))  # [B,S,q_lora]
-        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))  # [B,S,H,hd]
+    def _qkv(self, x: torch.Tensor, pos: torch.Tensor, rope: Rope):
+        # x: [B,S,D] at positions pos [S] -> qr [B,S,q_lora], q [B,S,H,hd], kv [B,S,hd]
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         if self.numerics.reference:  # DeepSeek computes the per-head RMS statistic in bf16
             q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + self.eps)
         else:
             q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.eps).to(q.dtype)
         q = rope.apply(q, pos)
-        kv = self._fp8_kv(rope.apply(self.kv_norm(self.wkv(x)), pos))  # [B,S,hd]
+        kv = self._fp8_kv(rope.apply(self.kv_norm(self.wkv(x)), pos))
+        return qr, q, kv
+
+    def _output(self, o: torch.Tensor, pos: torch.Tensor, rope: Rope) -> torch.Tensor:
+        # o: [B,S,H,hd] -> [B,S,D]: undo the RoPE of V = K, grouped low-rank projection
+        o = rope.apply(o, pos, inverse=True)
+        og = o.flatten(2).unflatten(-1, (self.o_groups, -1))  # [B,S,G,H*hd/G]
+        dt = self.numerics.dtype
+        wo_a = self.wo_a.dequantize(dt).unflatten(0, (self.o_groups, -1))  # [G,o_lora,H*hd/G]
+        z = torch.einsum("bsgd,grd->bsgr", og.to(dt), wo_a)  # activation dtype, as DeepSeek's bf16 einsum
+        return self.wo_b(z.flatten(2))
+
+    def forward(self, x: torch.Tensor, p0: int, st: BlockState, rope: Rope) -> torch.Tensor:
+        # x: [B,S,D] (attn_norm output) at positions p0..p0+S-1 -> [B,S,D]
+        B, S, _ = x.shape
+        pos = torch.arange(p0, p0 + S, device=x.device)
+        qr, q, kv = self._qkv(x, pos, rope)
 
         # keys: window ring (positions < p0) ++ this chunk's raw kv ++ compressed entries
         W = self.window
@@ -90,9 +102,26 @@ class Attention(nn.Module):
         # the ring keeps the last W raw kv vectors, slot = position mod W
         keep = min(S, W)
         st.window[:, pos[-keep:] % W] = kv[:, -keep:]
+        return self._output(o, pos, rope)
 
-        o = rope.apply(o, pos, inverse=True)  # [B,S,H,hd]
-        og = o.flatten(2).unflatten(-1, (self.o_groups, -1))  # [B,S,G,H*hd/G]
-        wo_a = self.wo_a.dequantize(dt).unflatten(0, (self.o_groups, -1))  # [G,o_lora,H*hd/G]
-        z = torch.einsum("bsgd,grd->bsgr", og.to(dt), wo_a)  # activation dtype, as DeepSeek's bf16 einsum
-        return self.wo_b(z.flatten(2))
+    def decode_step(self, x: torch.Tensor, pos: torch.Tensor, st: BlockState, rope: Rope) -> torch.Tensor:
+        # x: [B,1,D] at the device position pos ([1] int64) -> [B,1,D]. Static shapes and no host
+        # decision: the token is written to its ring slot first, then attends over all W slots and
+        # all compressed-entry slots, with visibility computed from pos on the device.
+        B = x.shape[0]
+        qr, q, kv = self._qkv(x, pos, rope)
+        W = self.window
+        st.window.index_copy_(1, pos % W, kv)
+        slot = torch.arange(W, device=x.device)
+        ring_pos = pos - torch.remainder(pos - slot, W)  # latest position <= pos stored in each slot
+        keys, vis = [st.window], [(ring_pos >= 0).expand(B, 1, W)]
+        if self.compressor is not None:
+            self.compressor.decode_step(x, pos, st.compressor, rope)
+            n = st.compressor.entries.shape[1]
+            comp_vis = (torch.arange(n, device=x.device) < (pos + 1) // self.spec.ratio).expand(B, 1, n)
+            if self.indexer is not None:
+                comp_vis = self.indexer.decode_step(x, qr, pos, st.indexer, rope)
+            keys.append(st.compressor.entries)
+            vis.append(comp_vis)
+        o = sparse_attn_ref(q, torch.cat(keys, 1), torch.cat(vis, -1), self.attn_sink, self.head_dim ** -0.5)
+        return self._output(o, pos, rope)

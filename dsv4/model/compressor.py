@@ -63,6 +63,30 @@ class Compressor(nn.Module):
         st.kv[:, cur:cur + rem] = vc[:, n * r:]
         st.score[:, cur:cur + rem] = vg[:, n * r:]
 
+    def decode_step(self, x: torch.Tensor, pos: torch.Tensor, st: CompressorState, rope: Rope) -> None:
+        # x: [B,1,hidden] at the device position pos ([1] int64). Branch-free (CUDA-graph safe): the
+        # token is written to its slot, the open window is always pooled, and the entry (and the CSA
+        # window rotation) is kept only when this token closes the window.
+        r, d = self.ratio, self.dim
+        c = self.wkv(x, torch.float32)  # [B,1,coff*d]
+        g = self.wgate(x, torch.float32) + self.ape[pos % r]
+        slot = (r if self.overlap else 0) + pos % r
+        st.kv.index_copy_(1, slot, c)
+        st.score.index_copy_(1, slot, g)
+        if self.overlap:
+            vals = torch.cat((st.kv[:, :r, :d], st.kv[:, r:, d:]), 1)  # [B,2r,d]
+            gates = torch.cat((st.score[:, :r, :d], st.score[:, r:, d:]), 1)
+        else:
+            vals, gates = st.kv, st.score
+        e = (vals * gates.softmax(dim=1)).sum(1, keepdim=True)  # [B,1,d] fp32
+        w = pos // r
+        e = self._finish(e, w * r, rope)
+        emit = (pos + 1) % r == 0  # [1] bool, on the device
+        st.entries.index_copy_(1, w, torch.where(emit, e, st.entries.index_select(1, w)))
+        if self.overlap:  # the closed window becomes the previous one
+            st.kv[:, :r] = torch.where(emit, st.kv[:, r:], st.kv[:, :r])
+            st.score[:, :r] = torch.where(emit, st.score[:, r:], st.score[:, :r])
+
     def _finish(self, e: torch.Tensor, pos: torch.Tensor, rope: Rope) -> torch.Tensor:
         # e: [B,n,d] fp32 pooled entries at RoPE positions pos [n] -> [B,n,d] activation dtype
         e = self.norm(e.to(self.numerics.dtype))

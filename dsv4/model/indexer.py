@@ -38,9 +38,12 @@ class Indexer(nn.Module):
         pos = torch.arange(p0, p0 + S, device=x.device)
         if n == 0:
             return torch.zeros(B, S, 0, dtype=torch.bool, device=x.device)
+        return self._select(self._scores(x, qr, pos, st.entries[:, :n], rope), pos, n)
+
+    def _scores(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, rope: Rope) -> torch.Tensor:
+        # queries at positions pos vs keys k [B,n,d] -> I [B,S,n]
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.dim))  # [B,S,H,d]
         q = rope.apply(q, pos)
-        k = st.entries[:, :n]  # [B,n,d]
         if self.numerics.reference:
             q = fp4_act_quant_sim_ref(hadamard_ref(q), 32)
             w = self.weights_proj(x) * self.scale  # [B,S,H] bf16 linear, bf16 scaling
@@ -50,12 +53,24 @@ class Indexer(nn.Module):
             w = self.weights_proj(x, torch.float32) * self.scale
             score = torch.relu(torch.einsum("bshd,btd->bsht", q.float(), k.float()))
             score = (score * w.unsqueeze(-1)).sum(2)
-        visible = torch.arange(n, device=x.device)[None, :] < ((pos + 1) // self.ratio)[:, None]  # [S,n]
+        return score
+
+    def decode_step(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, st: CompressorState,
+                    rope: Rope) -> torch.Tensor:
+        # x: [B,1,hidden] at device position pos [1] -> selected [B,1,N] over ALL N cache slots
+        # (static shape for CUDA graphs; slots not yet emitted are masked out)
+        self.compressor.decode_step(x, pos, st, rope)
+        return self._select(self._scores(x, qr, pos, st.entries, rope), pos, st.entries.shape[1])
+
+    def _select(self, score: torch.Tensor, pos: torch.Tensor, n: int) -> torch.Tensor:
+        # score: [B,S,n] -> top-k of the entries visible to each query, as a [B,S,n] bool mask
+        B, S, _ = score.shape
+        visible = torch.arange(n, device=score.device)[None, :] < ((pos + 1) // self.ratio)[:, None]  # [S,n]
         score = score.float().masked_fill(~visible, float("-inf"))
         k_sel = min(self.topk, n)
         # stable sort: equal scores (exact zeros are common after the ReLU) resolve to the lower entry
         # index, so the selection does not depend on how the sequence was chunked
         idx = score.sort(dim=-1, descending=True, stable=True).indices[..., :k_sel]  # [B,S,k]
-        selected = torch.zeros(B, S, n, dtype=torch.bool, device=x.device)
+        selected = torch.zeros(B, S, n, dtype=torch.bool, device=score.device)
         selected.scatter_(-1, idx, True)
         return selected & visible

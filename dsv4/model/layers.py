@@ -81,8 +81,10 @@ class Linear(nn.Module):
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         return self.stored().dequantize(dtype)
 
-    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        w = self.dequantize(torch.float32)
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None, stored=None) -> torch.Tensor:
+        # stored: optional other weight of this layer's shape and format (e.g. an expert gathered by a
+        # device-side index in the CUDA-graph decode step); default: this layer's own weight
+        w = (stored or self.stored()).dequantize(torch.float32)
         xf = x.float()
         if self.numerics.reference and self.quantized and self.act_quant:
             xf = act_quant_sim_ref(xf, 128)

@@ -56,16 +56,18 @@ class Expert(nn.Module):
         self.w2 = Linear(inter, dim, fmt, numerics, **fmt_opts)
         self.w3 = Linear(dim, inter, fmt, numerics, **fmt_opts)
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        # x: [T,D] -> [T,D] fp32; weight: [T] routing weight applied before w2
-        gate, up = self.w1(x, torch.float32), self.w3(x, torch.float32)
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None, stored=None) -> torch.Tensor:
+        # x: [T,D] -> [T,D] fp32; weight: [T] routing weight applied before w2. stored: optional
+        # (w1, w2, w3) weights of another expert of the same shapes, run through this expert's ops
+        s1, s2, s3 = stored or (None, None, None)
+        gate, up = self.w1(x, torch.float32, s1), self.w3(x, torch.float32, s3)
         if self.limit > 0:
             up = up.clamp(-self.limit, self.limit)
             gate = gate.clamp(max=self.limit)  # asymmetric: the gate has an upper bound only
         h = F.silu(gate) * up
         if weight is not None:
             h = h * weight[:, None]
-        return self.w2(h.to(x.dtype), torch.float32)
+        return self.w2(h.to(x.dtype), torch.float32, s2)
 
 
 class MoE(nn.Module):
@@ -78,6 +80,38 @@ class MoE(nn.Module):
             Expert(cfg.hidden_size, inter, limit, numerics, expert_fmt, **expert_opts) for _ in range(cfg.n_routed_experts)
         )
         self.shared_experts = Expert(cfg.hidden_size, inter, limit, numerics, fmt, **fmt_opts)
+        self.stacked: dict[str, dict[str, torch.Tensor]] = {}  # filled by stack_experts()
+
+    def stack_experts(self) -> None:
+        """Move every expert's stored tensors into one [E, ...] tensor per (w1|w2|w3, suffix) and make
+        the experts' buffers views of it, so the decode step can gather experts by a device index."""
+        if self.stacked:
+            return
+        for wname in ("w1", "w2", "w3"):
+            lins = [getattr(e, wname) for e in self.experts]
+            self.stacked[wname] = {}
+            for suffix in list(lins[0]._buffers):
+                big = torch.stack([lin._buffers[suffix] for lin in lins])
+                for i, lin in enumerate(lins):
+                    lin._buffers[suffix] = big[i]
+                self.stacked[wname][suffix] = big
+
+    def _expert_weights(self, e: torch.Tensor):
+        # e: [1] int64 device index -> (w1, w2, w3) containers of expert e, gathered on the device
+        cls = self.experts[0].w1.cls
+        return tuple(cls(**{sfx: t.index_select(0, e)[0] for sfx, t in self.stacked[w].items()})
+                     for w in ("w1", "w2", "w3"))
+
+    def decode_step(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        # x: [1,1,D], ids: [1,1] -> [1,1,D]. No host decision: the k chosen experts are gathered by
+        # device indices (requires stack_experts()).
+        x2 = x.flatten(0, 1)
+        w, idx = self.gate(x2, ids.flatten())  # [1,k]
+        y = torch.zeros(x2.shape, dtype=torch.float32, device=x.device)
+        for j in range(idx.shape[1]):
+            y = y + self.experts[0](x2, w[:, j], self._expert_weights(idx[0, j:j + 1]))
+        y = y + self.shared_experts(x2)
+        return y.to(x.dtype).view(x.shape)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         # x: [B,S,D] (ffn_norm output), ids: [B,S] -> [B,S,D]

@@ -75,6 +75,14 @@ class Block(nn.Module):
         return hc_post(self.ffn(self.ffn_norm(y), ids), x, post, comb)
 
 
+    def decode_step(self, x: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, st: BlockState, rope: Rope) -> torch.Tensor:
+        # x: [1,1,hc,D] at the device position pos [1]: the CUDA-graph-safe form of forward
+        y, post, comb = self._hc_pre(x, "attn")
+        x = hc_post(self.attn.decode_step(self.attn_norm(y), pos, st, rope), x, post, comb)
+        y, post, comb = self._hc_pre(x, "ffn")
+        return hc_post(self.ffn.decode_step(self.ffn_norm(y), ids), x, post, comb)
+
+
 class MTPBlock(Block):
     """Multi-token prediction block (SPEC §2.9): a Block fed hnorm(main streams) and enorm(embedding)."""
 
@@ -124,12 +132,53 @@ class Transformer(nn.Module):
 
     def new_state(self, max_len: int, batch: int = 1, with_mtp: bool = False) -> ModelState:
         dev = self.embed.weight.device
-        return ModelState(self.cfg, batch, max_len, self.numerics.dtype, dev, with_mtp=with_mtp)
+        return ModelState(self.cfg, batch, max_len, self.numerics.dtype, dev, with_mtp=with_mtp,
+                          block_devices=[layer.attn_norm.weight.device for layer in self.layers],
+                          mtp_devices=[blk.attn_norm.weight.device for blk in self.mtp])
+
+    def place(self, devices: list) -> "Transformer":
+        """Spread the model over `devices`: embedding on the first, head/norm/hc_head on the last, the
+        layers in contiguous runs of about equal count. A model built on the meta device is
+        materialized (uninitialized) in place. (The loader places by bytes while streaming instead.)"""
+        devices = [torch.device(d) for d in devices]
+        n, k = len(self.layers), len(devices)
+
+        def move(mod: nn.Module, dev) -> None:
+            for m in mod.modules():
+                for name, b in m._buffers.items():
+                    if b is not None:
+                        m._buffers[name] = torch.empty_like(b, device=dev) if b.is_meta else b.to(dev)
+
+        move(self.embed, devices[0])
+        for i, layer in enumerate(self.layers):
+            move(layer, devices[min(i * k // n, k - 1)])
+        for mod in (self.norm, self.head, *self.mtp):
+            move(mod, devices[-1])
+        for name in ("hc_head_fn", "hc_head_base", "hc_head_scale"):
+            b = self._buffers[name]
+            self._buffers[name] = torch.empty_like(b, device=devices[-1]) if b.is_meta else b.to(devices[-1])
+        self._ropes.clear()
+        return self
 
     def logits(self, x: torch.Tensor, fn, base, scale, norm: RMSNorm) -> torch.Tensor:
         # x: [B,S,hc,D] -> [B,S,vocab] fp32
         z = norm(hc_head(x, fn, base, scale, self.cfg.hc_eps, self.cfg.rms_norm_eps))
         return z.float() @ self.head.weight.float().T
+
+    # ---- decode-step pieces (static shapes, device positions: captured as CUDA graphs) ----
+    def embed_step(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids: [B,1] -> residual streams [B,1,hc,D]."""
+        h = self.embed.weight[ids].to(self.numerics.dtype)
+        return h.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()
+
+    def head_step(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B,1,hc,D] -> logits [B,1,vocab] fp32."""
+        return self.logits(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.norm)
+
+    def prepare_decode(self) -> None:
+        """One-time layout change for the graph decode step (experts stacked per layer)."""
+        for layer in list(self.layers) + list(self.mtp):
+            layer.ffn.stack_experts()
 
     # ---- forward ----
     def forward_streams(self, ids: torch.Tensor, state: ModelState) -> torch.Tensor:
@@ -160,7 +209,9 @@ class Transformer(nn.Module):
         """MTP block k: main streams [B,S,hc,D] at positions p0.. with the NEXT tokens' ids [B,S]
         -> logits [B,S,vocab] predicting the token after next (standard DeepSeek MTP alignment)."""
         blk = self.mtp[k]
-        e = blk.enorm(self.embed.weight[next_ids].to(self.numerics.dtype))
-        x = blk.h_proj(blk.hnorm(streams)) + blk.e_proj(e).unsqueeze(2)
+        dev = blk.attn_norm.weight.device
+        e = self.embed.weight[next_ids.to(self.embed.weight.device)].to(device=dev, dtype=self.numerics.dtype)
+        x = blk.h_proj(blk.hnorm(streams.to(dev))) + blk.e_proj(blk.enorm(e)).unsqueeze(2)
+        next_ids = next_ids.to(dev)
         x = blk(x, next_ids, p0, state.mtp[k], self.rope(blk.spec.rope, x.device))
         return self.logits(x, blk.hc_head_fn, blk.hc_head_base, blk.hc_head_scale, blk.norm)

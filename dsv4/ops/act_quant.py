@@ -18,17 +18,16 @@ def ue8m0_ceil_ref(y: torch.Tensor) -> torch.Tensor:
     """2^ceil(log2(y)) for positive normal fp32 y, exact, read off the exponent bits.
 
     Same as the kernel's fast_round_scale: biased exponent + (mantissa != 0). Exact powers of
-    two map to themselves; inf/NaN pass through. Zero, subnormal or negative inputs are the
-    caller's job to exclude (the amax floors do); they raise ValueError rather than mis-scale.
+    two map to themselves; inf/NaN pass through. Zero, subnormal or negative inputs (which the
+    callers' amax floors exclude) give NaN: branch-free, so the op stays CUDA-graph safe.
     """
     if y.dtype != torch.float32:
         raise ValueError(f"ue8m0_ceil_ref expects float32, got {y.dtype}")
     bits = y.contiguous().view(torch.int32)
     exp = (bits >> 23) & 0xFF
-    if bool(((bits < 0) | (exp == 0)).any()):
-        raise ValueError("ue8m0_ceil_ref: input must be positive and normal (apply an amax floor)")
     out = (exp + ((bits & 0x7FFFFF) != 0).to(torch.int32)) << 23  # y < 2^128 -> at most inf
-    return torch.where(exp == 0xFF, bits, out).view(torch.float32)  # inf/NaN pass through
+    out = torch.where(exp == 0xFF, bits, out).view(torch.float32)  # inf/NaN pass through
+    return torch.where((bits < 0) | (exp == 0), torch.full_like(out, float("nan")), out)
 
 
 def act_quant_ref(x: torch.Tensor, block_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:

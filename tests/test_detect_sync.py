@@ -1,0 +1,50 @@
+"""tools/detect_sync.py: the decode step has no violations, and planted ones are found by line."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsv4.config import ModelConfig
+from dsv4.model.layers import Numerics
+from dsv4.model.transformer import Transformer
+from dsv4.testing import randomize_, tiny_config
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+spec = importlib.util.spec_from_file_location("detect_sync", Path(__file__).resolve().parents[1] / "tools" / "detect_sync.py")
+detect_sync = importlib.util.module_from_spec(spec)
+sys.modules["detect_sync"] = detect_sync
+spec.loader.exec_module(detect_sync)
+
+
+def _model():
+    raw = tiny_config([0, 4, 128, 16], head_dim=128, rope_dim=64, index_dim=64, index_topk=4, max_pos=1024)
+    model = randomize_(Transformer(ModelConfig.from_dict(raw), Numerics("reference", torch.bfloat16)), 0)
+    return model.place(["cuda:0"])
+
+
+def test_decode_step_is_clean():
+    found = detect_sync.check(_model(), 300)
+    assert found == [], "\n".join(f"{v.kind} {v.piece}: {v.where}" for v in found)
+
+
+def test_planted_violations_are_reported_with_module_and_line():
+    model = _model()
+    attn = model.layers[1].attn
+    original = attn.decode_step
+
+    def bad_step(x, pos, st, rope):
+        if pos.item() > 1_000_000:  # a Python branch on a tensor value: host sync, breaks capture
+            pass
+        return original(x, pos, st, rope)
+
+    attn.decode_step = bad_step
+    found = detect_sync.check(model, 300)
+    kinds = {(v.kind, v.piece) for v in found}
+    assert ("host sync", "layers.1 (csa, ratio 4)") in kinds
+    assert ("capture failure", "layers.1 (csa, ratio 4)") in kinds
+    assert all(v.piece == "layers.1 (csa, ratio 4)" for v in found)
+    assert any("test_detect_sync.py" in v.where and "pos.item()" in v.where for v in found)

@@ -1,0 +1,205 @@
+#!/usr/bin/env python3
+"""Decode benchmark at full DeepSeek-V4-Flash width: batch 1, per-layer and per-token latency, eager vs
+CUDA graphs, weight bytes read per token and achieved GB/s against the HBM floor.
+
+Random weights in the official formats (FP8 projections, MXFP4 experts) are generated on the device for
+the first --layers layers of the Flash config (all 43 need ~150 GB: spread them with --device
+cuda:0,cuda:1). For each context the state is filled with random cache contents at position ctx-1, so
+the step reads a full context. Prints a table and writes JSON (--json). A benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+FLOOR_GB_PER_TOKEN = 11.21  # PERFORMANCE.md §2.1 scenario A (official precisions, batch 1)
+
+
+def tensor_bytes(t) -> int:
+    return t.numel() * t.element_size()
+
+
+def module_bytes(mod) -> int:
+    return sum(tensor_bytes(b) for b in mod.buffers())
+
+
+def layer_read_bytes(layer) -> int:
+    """Weight bytes one decode step of `layer` reads: everything but the unchosen routed experts."""
+    experts = layer.ffn.experts
+    k = layer.cfg.num_experts_per_tok
+    total = module_bytes(layer) - module_bytes(experts)
+    return total + k * module_bytes(experts[0])
+
+
+def state_read_bytes(st, pos: int, spec) -> int:
+    """Cache bytes one step reads at position pos (window + visible compressed entries + indexer keys)."""
+    n = st.window.shape[1] * st.window.shape[2] * st.window.element_size()
+    for c in (st.compressor, st.indexer):
+        if c is not None:
+            visible = (pos + 1) // c.ratio
+            n += visible * c.entries.shape[2] * c.entries.element_size() + tensor_bytes(c.kv) + tensor_bytes(c.score)
+    return n
+
+
+def fill_state(state, pos: int, seed: int) -> None:
+    import torch
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    for st in state.blocks:
+        tensors = [st.window]
+        for c in (st.compressor, st.indexer):
+            if c is not None:
+                tensors += [c.entries, c.kv, c.score]
+        for t in tensors:
+            t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+    state.pos = pos
+
+
+def timed(fn, n: int, device) -> float:
+    """Mean milliseconds of fn() over n calls, timed with CUDA events on `device`."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.device(device):
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(n):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+    return start.elapsed_time(end) / n
+
+
+def copy_bandwidth(device) -> float:
+    """Device-to-device copy GB/s (bytes read + written) of a 2 GiB buffer."""
+    import torch
+
+    a = torch.empty(2 << 30, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    ms = timed(lambda: b.copy_(a), 10, device)
+    return 2 * a.numel() / (ms * 1e-3) / 1e9
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=4, help="first N layers of Flash (default 4: SWA, SWA, CSA, HCA)")
+    p.add_argument("--device", default="cuda:0", help="cuda device or comma list (layers split evenly)")
+    p.add_argument("--contexts", default="1024,16384,131072", help="comma list of context lengths")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per measurement")
+    p.add_argument("--no-eager", action="store_true", help="skip the (slow) eager measurements")
+    p.add_argument("--numerics", choices=("reference", "exact"), default="reference")
+    p.add_argument("--json", help="write the results as JSON to this path")
+    args = p.parse_args(argv)
+
+    import torch
+
+    from dsv4.config import ModelConfig
+    from dsv4.graphs import DecodeRunner
+    from dsv4.model.layers import Numerics
+    from dsv4.model.transformer import Transformer
+    from dsv4.testing import randomize_
+    from dsv4.writer import FLASH_CONFIG, truncate_layers
+
+    if not torch.cuda.is_available():
+        print("error: bench_decode needs a CUDA device", file=sys.stderr)
+        return 2
+    devices = [d.strip() for d in args.device.split(",") if d.strip()]
+    contexts = [int(c) for c in args.contexts.split(",")]
+    raw = truncate_layers(FLASH_CONFIG, args.layers)
+    raw["compress_ratios"] = raw["compress_ratios"][: args.layers]  # no MTP block in the benchmark
+    raw["num_nextn_predict_layers"] = 0
+    cfg = ModelConfig.from_dict(raw)
+    dtype = torch.bfloat16 if args.numerics == "reference" else torch.float32
+
+    t0 = time.perf_counter()
+    with torch.device("meta"):
+        model = Transformer(cfg, Numerics(args.numerics, dtype), max_pos=max(contexts))
+    model.place(devices)
+    randomize_(model, seed=0)
+    torch.cuda.synchronize()
+    build_s = time.perf_counter() - t0
+    print(f"built {args.layers} Flash layers with random FP8/MXFP4 weights on {','.join(devices)} "
+          f"in {build_s:.0f}s", file=sys.stderr)
+
+    per_layer_bytes = [layer_read_bytes(layer) for layer in model.layers]
+    head_bytes = module_bytes(model.head) + module_bytes(model.norm) + cfg.hidden_size * 2 + sum(
+        tensor_bytes(model.get_buffer(n)) for n in ("hc_head_fn", "hc_head_base", "hc_head_scale"))
+    bw = copy_bandwidth(devices[0])
+    kinds = {"swa": 0, "csa": 0, "hca": 0}
+    for s in ModelConfig.from_dict(FLASH_CONFIG).layers:
+        kinds[s.attn] += 1
+
+    results = []
+    for ctx in contexts:
+        state = model.new_state(ctx)
+        row = {"context": ctx}
+        for mode in (["eager"] if not args.no_eager else []) + ["graph"]:
+            runner = DecodeRunner(model, state, use_graphs=(mode == "graph"))
+            fill_state(state, ctx - 1, seed=ctx)
+            n = args.steps if mode == "graph" else max(2, args.steps // 5)
+            for _ in range(2):
+                runner.step(1, ctx - 1)
+            row[f"{mode}_token_ms"] = timed(lambda: runner.step(1, ctx - 1), n, devices[0])
+            layer_ms = []
+            for i in range(len(model.layers)):  # x_in[i] still holds the last step's input of layer i
+                fn = runner.graphs[i].replay if mode == "graph" else (lambda i=i: runner._run_layer(i))
+                layer_ms.append(timed(fn, n, runner.devices[i]))
+            row[f"{mode}_layer_ms"] = layer_ms
+            if mode == "graph":
+                row["graph_head_ms"] = timed(runner.graphs["head"].replay, n, runner.head_dev)
+            del runner
+        cache = [state_read_bytes(st, ctx - 1, s) for st, s in zip(state.blocks, cfg.layers)]
+        row["layer_weight_bytes"] = per_layer_bytes
+        row["layer_cache_bytes"] = cache
+        by_kind = {}
+        for s, ms in zip(cfg.layers, row["graph_layer_ms"]):
+            by_kind.setdefault(s.attn, []).append(ms)
+        mean = {k: sum(v) / len(v) for k, v in by_kind.items()}
+        if all(k in mean for k in kinds):
+            proj = sum(kinds[k] * mean[k] for k in kinds) + row["graph_head_ms"]
+            row["projected_43_layer_token_ms"] = proj
+        measured_bytes = sum(per_layer_bytes) + sum(cache) + head_bytes
+        row["token_bytes"] = measured_bytes
+        row["achieved_GBps"] = measured_bytes / (row["graph_token_ms"] * 1e-3) / 1e9
+        results.append(row)
+        del state
+        torch.cuda.empty_cache()
+
+    dev_name = torch.cuda.get_device_name(devices[0])
+    floor_ms = FLOOR_GB_PER_TOKEN * 1e9 / (bw * 1e9) * 1e3
+    print(f"\ndsv4 decode benchmark: {dev_name} x{len(set(devices))}, torch {torch.__version__}, "
+          f"{args.layers} Flash layers ({', '.join(s.attn for s in cfg.layers)}), numerics {args.numerics}, batch 1")
+    print(f"device copy bandwidth {bw:.0f} GB/s -> floor for {FLOOR_GB_PER_TOKEN} GB/token: {floor_ms:.2f} ms")
+    hdr = f"{'context':>8} | {'mode':>5} | {'token ms':>9} | {'per-layer ms (' + ','.join(s.attn for s in cfg.layers) + ')':<40} | {'GB/tok':>7} | {'GB/s':>7} | {'% copy BW':>9} | {'proj. 43L ms':>12}"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in results:
+        gb = r["token_bytes"] / 1e9
+        for mode in ("eager", "graph"):
+            if f"{mode}_token_ms" not in r:
+                continue
+            ms = r[f"{mode}_token_ms"]
+            gbps = r["token_bytes"] / (ms * 1e-3) / 1e9
+            layers = ",".join(f"{x:.2f}" for x in r[f"{mode}_layer_ms"])
+            proj = f"{r['projected_43_layer_token_ms']:.1f}" if mode == "graph" and "projected_43_layer_token_ms" in r else ""
+            print(f"{r['context']:>8} | {mode:>5} | {ms:>9.2f} | {layers:<40} | {gb:>7.3f} | {gbps:>7.1f} | "
+                  f"{100 * gbps / bw:>8.2f}% | {proj:>12}")
+    out = {"device": dev_name, "devices": devices, "torch": torch.__version__, "python": platform.python_version(),
+           "layers": args.layers, "layer_kinds": [s.attn for s in cfg.layers], "numerics": args.numerics,
+           "copy_GBps": bw, "floor_GB_per_token": FLOOR_GB_PER_TOKEN, "floor_ms_at_copy_bw": floor_ms,
+           "build_s": build_s, "results": results, "command": " ".join(sys.argv)}
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

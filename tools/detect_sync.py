@@ -1,0 +1,173 @@
+#!/usr/bin/env python3
+"""Graph-capture sync-violation detector: finds what would break or stall the CUDA-graph decode step.
+
+For the embedding, every layer and the head it (1) runs the static decode step under
+torch.cuda.set_sync_debug_mode("warn") and records every host sync (.item(), a Python branch on a
+tensor value, a synchronous host<->device copy, nonzero/unique, ...) with its module and source line,
+(2) captures the piece as a CUDA graph and reports a capture failure with its source line, and (3)
+replays the whole decode step and reports any device allocation made between graph replays.
+Exits 1 on any violation. Default model: a random tiny model with SWA, CSA and HCA layers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+@dataclass
+class Violation:
+    piece: str  # "embed", "layers.3 (csa)", "head", "step"
+    kind: str  # "host sync" | "capture failure" | "device allocation"
+    where: str  # file:line function (innermost frame inside the dsv4 package)
+    detail: str
+
+
+def _where(frames) -> str:
+    """Innermost frame of this repository's code, but not this tool (else the innermost frame), as
+    'path:line in func: code'."""
+    pick = None
+    for f in frames:
+        path = Path(f.filename).resolve()
+        if path != Path(__file__).resolve() and ROOT in path.parents:
+            pick = f
+    pick = pick or (frames[-1] if frames else None)
+    if pick is None:
+        return "?"
+    try:
+        rel = Path(pick.filename).resolve().relative_to(ROOT)
+    except ValueError:
+        rel = pick.filename
+    return f"{rel}:{pick.lineno} in {pick.name}: {(pick.line or '').strip()}"
+
+
+def find_syncs(piece: str, fn) -> list[Violation]:
+    """Run fn once with sync debugging on; one Violation per synchronizing call site."""
+    import torch
+
+    found: list[Violation] = []
+    seen = set()
+    old_show = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        text = str(message)
+        if "synchroniz" not in text.lower():
+            return old_show(message, category, filename, lineno, file, line)
+        where = _where(traceback.extract_stack()[:-1])
+        if where not in seen:
+            seen.add(where)
+            found.append(Violation(piece, "host sync", where, text.splitlines()[0][:120]))
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with torch.no_grad():
+                fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = old_show
+    return found
+
+
+def try_capture(piece: str, fn, device) -> list[Violation]:
+    import torch
+
+    g = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.device(device), torch.no_grad(), torch.cuda.graph(g):
+            fn()
+    except Exception as e:  # noqa: BLE001 - every capture failure is a finding
+        tb = traceback.extract_tb(e.__traceback__)
+        return [Violation(piece, "capture failure", _where(tb), f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")]
+    finally:
+        torch.cuda.synchronize()
+    return []
+
+
+def check(model, max_len: int, steps: int = 8) -> list[Violation]:
+    """All violations of `model`'s decode step (state sized for max_len)."""
+    import torch
+
+    from dsv4.graphs import DecodeRunner
+
+    state = model.new_state(max_len)
+    eager = DecodeRunner(model, state, use_graphs=False)
+    eager.step(1, 0)  # warm up (lazy RoPE tables, allocator)
+    names = {"embed": "embed", "head": "head"}
+    pieces = [("embed", eager.embed_dev, eager._run_embed)]
+    for i, (layer, dev) in enumerate(zip(model.layers, eager.devices)):
+        names[i] = f"layers.{i} ({layer.spec.attn}, ratio {layer.spec.ratio})"
+        pieces.append((i, dev, lambda i=i: eager._run_layer(i)))
+    pieces.append(("head", eager.head_dev, eager._run_head))
+    out: list[Violation] = []
+    for key, dev, fn in pieces:
+        out += find_syncs(names[key], fn)
+        out += try_capture(names[key], fn, dev)
+    if any(v.kind == "capture failure" for v in out):
+        return out
+    state.reset()
+    runner = DecodeRunner(model, state, use_graphs=True)
+    out += find_syncs("step (graph replay loop)", lambda: [runner.step(5) for _ in range(2)])
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    for _ in range(steps):
+        runner.step(7)
+    torch.cuda.synchronize()
+    n = torch.cuda.memory_stats()["allocation.all.allocated"] - before
+    if n:
+        out.append(Violation("step (graph replay loop)", "device allocation", "dsv4/graphs.py: DecodeRunner.step",
+                             f"{n} allocations in {steps} steps"))
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="Report host syncs, capture failures and device allocations "
+                                            "in the CUDA-graph decode step; exit 1 on any.")
+    p.add_argument("--model", help="checkpoint directory (default: a random tiny SWA/CSA/HCA model)")
+    p.add_argument("--device", default="cuda:0", help="cuda device, or a comma list to spread layers")
+    p.add_argument("--max-len", type=int, default=512, help="state size in tokens")
+    p.add_argument("--numerics", choices=("exact", "reference"), default="reference")
+    args = p.parse_args(argv)
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("error: detect_sync needs a CUDA device", file=sys.stderr)
+        return 2
+    devices = [d.strip() for d in args.device.split(",") if d.strip()]
+    dtype = torch.bfloat16 if args.numerics == "reference" else torch.float32
+    if args.model:
+        from dsv4.loader import load_model
+
+        model = load_model(args.model, numerics=args.numerics, dtype=dtype, devices=devices, with_mtp=False)
+    else:
+        from dsv4.config import ModelConfig
+        from dsv4.model.layers import Numerics
+        from dsv4.model.transformer import Transformer
+        from dsv4.testing import randomize_, tiny_config
+
+        raw = tiny_config([0, 4, 128, 16], head_dim=128, rope_dim=64, index_dim=64, index_topk=4,
+                          max_pos=max(1024, args.max_len))
+        model = randomize_(Transformer(ModelConfig.from_dict(raw), Numerics(args.numerics, dtype)), 0)
+        model.place(devices)
+    found = check(model, args.max_len)
+    for v in found:
+        print(f"VIOLATION [{v.kind}] {v.piece}: {v.where} -- {v.detail}")
+    n_pieces = len(model.layers) + 2
+    print(f"detect_sync: {len(found)} violations in {n_pieces} captured pieces "
+          f"({len(model.layers)} layers + embed + head) on {','.join(devices)}")
+    return 1 if found else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
