@@ -28,6 +28,7 @@ from dsv4.ops.fp4_quant import (
     FP4_MAX,
     FP4_MAX_INV,
     e2m1_encode_ref,
+    e2m1_lut,
 )
 
 Layout = dict[str, tuple[tuple[int, ...], torch.dtype]]  # suffix -> (shape, dtype)
@@ -91,7 +92,7 @@ def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 def _e2m1_decode(packed: torch.Tensor) -> torch.Tensor:
     """[n, k/2] packed e2m1 -> fp32 [n, k] grid values (LUT lookup, so -0 stays -0)."""
-    return E2M1_LUT.to(packed.device)[_unpack_nibbles(packed).long()]
+    return e2m1_lut(packed.device)[_unpack_nibbles(packed).long()]
 
 
 def _check(cls_name: str, tensors: dict[str, torch.Tensor], layout: Layout) -> None:

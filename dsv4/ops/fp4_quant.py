@@ -18,6 +18,18 @@ FP4_MAX_INV = torch.tensor(1.0 / FP4_MAX, dtype=torch.float32).item()  # kernel'
 E2M1_LUT = torch.tensor(
     [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=torch.float32
 )
+_LUT_ON: dict[torch.device, torch.Tensor] = {}
+
+
+def e2m1_lut(device) -> torch.Tensor:
+    """E2M1_LUT on `device`, copied there once: per-call host-to-device copies would break CUDA-graph
+    capture (first use must happen outside capture, e.g. in a warm-up step)."""
+    device = torch.device(device)
+    if device not in _LUT_ON:
+        _LUT_ON[device] = E2M1_LUT.to(device)
+    return _LUT_ON[device]
+
+
 # Midpoint between magnitude codes i and i+1, and whether a tie there rounds up: ties go to the
 # even code, i.e. up exactly when i is odd (.75->1, 1.75->2, 3.5->4; .25->0, 1.25->1, 2.5->2, 5->4).
 _MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
@@ -35,7 +47,7 @@ def e2m1_encode_ref(t: torch.Tensor) -> torch.Tensor:
 
 def e2m1_round_ref(t: torch.Tensor) -> torch.Tensor:
     """t -> fp32 values of t rounded (RNE) onto the signed e2m1 grid; same shape."""
-    return E2M1_LUT.to(t.device)[e2m1_encode_ref(t).long()]
+    return e2m1_lut(t.device)[e2m1_encode_ref(t).long()]
 
 
 def fp4_act_quant_sim_ref(x: torch.Tensor, block_size: int = 32) -> torch.Tensor:
