@@ -72,6 +72,9 @@ class DecodeRunner:
         # warm up on a side stream (allocator, lazy inits), capture, then clear what warm-up wrote
         self._upload(0, 0)
         pools: dict = {}
+        # torch.cuda.graph's default capture stream is created once, on whichever device is current
+        # at first use: every device needs its own capture stream
+        streams = {d: torch.cuda.Stream(d) for d in dict.fromkeys([self.embed_dev, *self.devices, self.head_dev])}
         pieces = [("embed", self.embed_dev, self._run_embed)]
         pieces += [(i, d, (lambda i=i: self._run_layer(i))) for i, d in enumerate(self.devices)]
         pieces += [("head", self.head_dev, self._run_head)]
@@ -85,7 +88,7 @@ class DecodeRunner:
                 torch.cuda.current_stream(dev).wait_stream(s)
                 g = torch.cuda.CUDAGraph()
                 # graphs of one device replay one after another: they share one memory pool
-                with torch.no_grad(), torch.cuda.graph(g, pool=pools.get(dev)):
+                with torch.no_grad(), torch.cuda.graph(g, pool=pools.get(dev), stream=streams[dev]):
                     out = fn()
                 pools.setdefault(dev, g.pool())
                 self.graphs[key] = g

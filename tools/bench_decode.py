@@ -62,8 +62,25 @@ def fill_state(state, pos: int, seed: int) -> None:
     state.pos = pos
 
 
+def timed_wall(fn, n: int, devices) -> float:
+    """Mean milliseconds of fn() over n calls, wall clock between full syncs of every device (a
+    decode step spread over GPUs ends on another device than it starts on)."""
+    import torch
+
+    def sync():
+        for d in dict.fromkeys(devices):
+            torch.cuda.synchronize(d)
+
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) * 1e3 / n
+
+
 def timed(fn, n: int, device) -> float:
-    """Mean milliseconds of fn() over n calls, timed with CUDA events on `device`."""
+    """Mean milliseconds of fn() over n calls, timed with CUDA events on `device` (single-device work)."""
     import torch
 
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -146,7 +163,7 @@ def main(argv=None) -> int:
             n = args.steps if mode == "graph" else max(2, args.steps // 5)
             for _ in range(2):
                 runner.step(1, ctx - 1)
-            row[f"{mode}_token_ms"] = timed(lambda: runner.step(1, ctx - 1), n, devices[0])
+            row[f"{mode}_token_ms"] = timed_wall(lambda: runner.step(1, ctx - 1), n, devices)
             layer_ms = []
             for i in range(len(model.layers)):  # x_in[i] still holds the last step's input of layer i
                 fn = runner.graphs[i].replay if mode == "graph" else (lambda i=i: runner._run_layer(i))
