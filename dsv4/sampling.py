@@ -1,0 +1,97 @@
+"""Next-token sampling: `SamplingParams` (validated user knobs) and `sample(logits, params, generator)`.
+
+Owns the token-choice policy only: greedy at temperature 0, otherwise temperature, top-k, top-p
+(nucleus), then one draw from a seeded `torch.Generator`. Everything stays on the logits' device;
+the only host sync of a decode step is the caller reading the chosen id, so the step can later be
+captured in a CUDA graph. Nothing here knows about the model, the tokenizer or stop conditions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and how many. `temperature == 0` means greedy (argmax).
+
+    top_p = 1.0 and top_k = 0 disable those filters; `seed` None draws a fresh random seed per
+    request. Defaults are DeepSeek-V4's generation_config.json (temperature 1.0, top_p 1.0).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_new_tokens: int = 256
+
+    def __post_init__(self):
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"top-p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top-k must be an integer >= 0 (0 disables it), got {self.top_k}")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max-new-tokens must be an integer >= 1, got {self.max_new_tokens}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator:
+    """A generator on `device` seeded from params.seed (or from fresh entropy when seed is None)."""
+    gen = torch.Generator(device=device)
+    if params.seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(params.seed)
+    return gen
+
+
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [B,V] -> the distribution a non-greedy `sample` draws from, [B,V] fp32.
+
+    Temperature first, so top-p measures mass on the distribution that is actually sampled (as in
+    transformers and vLLM; top-k does not depend on it). Top-k keeps exactly k ids even when there
+    are ties at the k-th value; top-p keeps the smallest prefix of the sorted ids whose mass reaches
+    top_p, which always includes the most likely id.
+    """
+    if params.greedy:
+        raise ValueError("greedy sampling has no distribution; use sample()")
+    x = logits.float() / params.temperature
+    V = x.shape[-1]
+    if 0 < params.top_k < V:
+        # scatter (not a `< kth value` mask) so ties at the boundary cannot keep more than k ids
+        vals, idx = torch.topk(x, params.top_k, dim=-1)
+        x = torch.full_like(x, float("-inf")).scatter_(-1, idx, vals)
+    probs = torch.softmax(x, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
+        mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+        # keep an id while the mass of the strictly more likely ids is still short of top_p
+        sorted_p = torch.where(mass_before < params.top_p, sorted_p, torch.zeros_like(sorted_p))
+        probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
+    """logits [B,V] fp32 -> chosen token ids [B] int64, on the logits' device, with no host sync."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    probs = sampling_probs(logits, params)
+    # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) is an exact draw from p, needs no
+    # cumulative sum or data-dependent shapes, and ids with p_i = 0 can never win. An exact 0 draw
+    # (about 2^-24 per element) would make 0/0 = NaN, which argmax prefers: clamp it away.
+    race = torch.empty_like(probs).exponential_(1.0, generator=generator).clamp_min_(torch.finfo(probs.dtype).tiny)
+    return (probs / race).argmax(dim=-1)

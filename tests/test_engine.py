@@ -1,0 +1,271 @@
+"""Engine behaviour on tiny random models with the real tokenizer (vocab 129,280).
+
+Greedy decoding equals step-by-step argmax of the stateless full forward (chunked prefill crosses
+the 128-token boundary); seeds make sampling reproducible; EOS, max-new-tokens and the context limit
+stop generation with the right finish_reason; scripted outputs (logits forced by a forward hook)
+check the streamed reasoning / content / tool-call deltas and the parsed result.
+"""
+
+import math
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from dsv4.config import ModelConfig
+from dsv4.engine import (
+    PREFILL_CHUNK, REASONING_EFFORTS, ContextLengthError, Engine, EngineError, _defaults_from, check_devices,
+    parse_devices,
+)
+from dsv4.model.layers import Numerics
+from dsv4.model.transformer import Transformer
+from dsv4.sampling import SamplingParams
+from dsv4.testing import randomize_, tiny_config
+from encoding import RELEASES, encode_messages, load_tokenizer
+
+VOCAB = 129280
+EOS = 1
+
+
+def random_model(raw: dict, numerics: Numerics, seed: int = 0) -> Transformer:
+    return randomize_(Transformer(ModelConfig.from_dict(raw), numerics), seed).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model():
+    # CSA, sliding-window and HCA layers; window 16 so long prompts wrap the KV ring
+    return random_model(tiny_config([4, 0, 16], n_mtp=0, vocab=VOCAB, max_pos=1024),
+                        Numerics("exact", torch.float32), seed=1)
+
+
+@pytest.fixture(scope="module")
+def engine(model, tokenizer):
+    return Engine(model, tokenizer, max_context=512)
+
+
+def prompt_ids(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(2, 120000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@contextmanager
+def forced(model, script: list[int], start: int):
+    """Make the model emit `script` from position `start` on: the logits of the forward that ends at
+    position start+i get token script[i] pushed far above everything else."""
+    def hook(_module, args, logits):
+        i = args[1].pos - start
+        if 0 <= i < len(script):
+            logits = logits.clone()
+            logits[:, -1, script[i]] += 1e6
+        return logits
+
+    handle = model.register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=12)
+
+
+def test_greedy_equals_argmax_of_full_forward(engine, model):
+    prompt = prompt_ids(PREFILL_CHUNK + 22)  # two prefill chunks
+    got = engine.generate_ids(prompt, GREEDY)
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(GREEDY.max_new_tokens):
+            # a fresh state and the whole sequence: the stateless forward
+            logits = model(torch.tensor([seq]), model.new_state(len(seq)), last_only=True)
+            seq.append(int(logits[0, -1].argmax()))
+            if seq[-1] == EOS:
+                break
+    assert got == seq[len(prompt):]
+    assert len(got) == GREEDY.max_new_tokens
+
+
+def test_prompt_lengths_around_the_chunk_boundary(engine, model):
+    for n in (1, PREFILL_CHUNK, PREFILL_CHUNK + 1):
+        prompt = prompt_ids(n, seed=n)
+        with torch.no_grad():
+            ref = int(model(torch.tensor([prompt]), model.new_state(n))[0, -1].argmax())
+        assert engine.generate_ids(prompt, SamplingParams(temperature=0, max_new_tokens=1)) == [ref]
+
+
+def test_state_is_reset_between_requests(engine):
+    a = engine.generate_ids(prompt_ids(40, seed=1), GREEDY)
+    engine.generate_ids(prompt_ids(200, seed=2), GREEDY)  # dirty every cache
+    assert engine.generate_ids(prompt_ids(40, seed=1), GREEDY) == a
+
+
+def test_seeded_sampling_is_reproducible(engine):
+    p = SamplingParams(temperature=1.0, seed=123, max_new_tokens=8)
+    prompt = prompt_ids(30)
+    a = engine.generate_ids(prompt, p)
+    assert engine.generate_ids(prompt, p) == a
+    assert engine.generate_ids(prompt, SamplingParams(temperature=1.0, seed=124, max_new_tokens=8)) != a
+    msgs = [{"role": "user", "content": "Hello"}]
+    r1 = engine.generate(msgs, params=p)
+    r2 = engine.generate(msgs, params=p)
+    r3 = engine.generate(msgs, params=SamplingParams(temperature=1.0, seed=5, max_new_tokens=8))
+    assert (r1.reasoning_content, r1.token_ids) == (r2.reasoning_content, r2.token_ids)
+    assert r1.token_ids != r3.token_ids
+
+
+def test_stop_on_eos(engine, model):
+    prompt = prompt_ids(20)
+    with forced(model, [EOS], start=len(prompt) + 3):
+        done = engine.complete(prompt, SamplingParams(temperature=0, max_new_tokens=50))
+    assert done.finish_reason == "stop"
+    assert len(done.token_ids) == 4 and done.token_ids[-1] == EOS
+    # EOS listed by generation_config.json (eos_ids) stops too
+    other = Engine(model, engine.tokenizer, 64, eos_ids=frozenset({EOS, 7}))
+    with forced(model, [7], start=len(prompt)):
+        assert other.complete(prompt, GREEDY).token_ids == [7]
+
+
+def test_stop_on_max_new_tokens(engine):
+    done = engine.complete(prompt_ids(10), SamplingParams(temperature=1.0, seed=0, max_new_tokens=7))
+    assert done.finish_reason == "length" and len(done.token_ids) == 7
+
+
+def test_stop_on_context_limit(model, tokenizer):
+    small = Engine(model, tokenizer, max_context=25)
+    done = small.complete(prompt_ids(20), SamplingParams(temperature=0, max_new_tokens=100))
+    assert done.finish_reason == "context"
+    assert done.prompt_tokens + len(done.token_ids) == 25
+    # max_new_tokens reached at the same token wins: it is the user's own limit
+    done = small.complete(prompt_ids(20), SamplingParams(temperature=0, max_new_tokens=5))
+    assert done.finish_reason == "length"
+
+
+def test_prompt_longer_than_context_is_rejected(model, tokenizer):
+    small = Engine(model, tokenizer, max_context=16)
+    with pytest.raises(ContextLengthError, match="the prompt is 16 tokens but the context holds 16"):
+        small.complete(prompt_ids(16), GREEDY)
+    with pytest.raises(ContextLengthError, match="the prompt is 30 tokens"):
+        small.generate([{"role": "user", "content": "word " * 25}], params=GREEDY)
+
+
+def test_max_context_must_fit_the_model(model, tokenizer):
+    with pytest.raises(EngineError, match=r"max context 5000 must be in \[2, 1024\]"):
+        Engine(model, tokenizer, max_context=5000)
+
+
+SCRIPTS = {
+    "thinking": ("Let me think.</think>Hello there!<｜end▁of▁sentence｜>", "Let me think.", "Hello there!"),
+    "chat": ("Hi, 世界!<｜end▁of▁sentence｜>", "", "Hi, 世界!"),
+}
+
+
+@pytest.mark.parametrize("mode", ["thinking", "chat"])
+def test_generate_streams_and_parses(engine, model, tokenizer, mode):
+    text, reasoning, content = SCRIPTS[mode]
+    script = tokenizer.encode(text)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    prompt = tokenizer.encode(encode_messages(msgs, mode))
+    assert prompt[-1] == tokenizer.token_id("<think>" if mode == "thinking" else "</think>")
+    deltas = []
+    with forced(model, script, start=len(prompt)):
+        r = engine.generate(msgs, thinking_mode=mode, params=SamplingParams(temperature=1.0, seed=0),
+                            on_delta=deltas.append)
+    assert (r.role, r.reasoning_content, r.content, r.tool_calls) == ("assistant", reasoning, content, [])
+    assert r.finish_reason == "stop" and r.token_ids == script
+    assert "".join(d.reasoning for d in deltas) == reasoning
+    assert "".join(d.content for d in deltas) == content
+    assert r.usage == {"prompt_tokens": len(prompt), "completion_tokens": len(script),
+                       "total_tokens": len(prompt) + len(script)}
+    t = r.timings
+    assert t["ttft_s"] > 0 and t["prefill_tok_s"] > 0 and t["decode_tok_s"] > 0 and t["load_s"] is None
+
+
+def test_generate_streams_tool_calls(engine, model, tokenizer):
+    text = ("Need the weather.</think>\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"get_weather\">\n"
+            "<｜DSML｜parameter name=\"city\" string=\"true\">Paris</｜DSML｜parameter>\n"
+            "</｜DSML｜invoke>\n</｜DSML｜tool_calls><｜end▁of▁sentence｜>")
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    prompt = engine.encode(msgs)
+    calls = []
+    with forced(model, tokenizer.encode(text), start=len(prompt)):
+        r = engine.generate(msgs, params=SamplingParams(temperature=0),
+                            on_delta=lambda d: calls.extend(d.tool_calls))
+    expected = [{"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]
+    assert r.tool_calls == calls == expected
+    assert (r.reasoning_content, r.content, r.finish_reason) == ("Need the weather.", "", "stop")
+
+
+def test_truncated_thinking_still_returns_reasoning(engine, model, tokenizer):
+    script = tokenizer.encode("I am thinking about <this")  # "<" could start a marker: held, then flushed
+    msgs = [{"role": "user", "content": "Hi"}]
+    deltas = []
+    with forced(model, script, start=len(engine.encode(msgs))):
+        r = engine.generate(msgs, params=SamplingParams(temperature=0, max_new_tokens=len(script)),
+                            on_delta=deltas.append)
+    assert r.finish_reason == "length"
+    assert r.reasoning_content == "I am thinking about <this" == "".join(d.reasoning for d in deltas)
+    assert r.content == ""
+
+
+def test_random_model_stream_matches_result(engine):
+    deltas = []
+    r = engine.generate([{"role": "user", "content": "Hello"}], params=SamplingParams(seed=3, max_new_tokens=20),
+                        on_delta=deltas.append)
+    assert r.finish_reason in ("length", "stop") and r.usage["completion_tokens"] == len(r.token_ids)
+    assert "".join(d.reasoning for d in deltas) == r.reasoning_content
+    assert "".join(d.content for d in deltas) == r.content
+
+
+def test_reasoning_effort_table_matches_encoder(engine):
+    msgs = [{"role": "user", "content": "x"}]
+    for release in RELEASES:
+        for effort in ("low", "medium", "high", "max"):
+            try:
+                encode_messages(msgs, "thinking", reasoning_effort=effort, release=release)
+                accepted = True
+            except AssertionError:
+                accepted = False
+            assert accepted == (effort in REASONING_EFFORTS[release]), (release, effort)
+    with pytest.raises(EngineError, match=r"effort 'low' is not accepted .*\(preview\); choose one of high, max"):
+        engine.encode(msgs, reasoning_effort="low")
+    with pytest.raises(EngineError, match="cannot encode the conversation"):
+        engine.encode([{"role": "developer", "content": ""}])
+
+
+def test_reference_numerics_bf16_end_to_end(tokenizer):
+    # DeepSeek's quantization simulations with bf16 activations: the CLI's default numerics.
+    raw = tiny_config([4, 0, 16], n_mtp=0, vocab=VOCAB, head_dim=128, rope_dim=64, index_dim=64, index_topk=4)
+    eng = Engine(random_model(raw, Numerics("reference", torch.bfloat16), seed=2), tokenizer, max_context=300)
+    prompt = prompt_ids(140)
+    a = eng.generate_ids(prompt, GREEDY)
+    assert len(a) == GREEDY.max_new_tokens and eng.generate_ids(prompt, GREEDY) == a
+
+
+def test_defaults_from_generation_config():
+    assert _defaults_from({"temperature": 1.0, "top_p": 1.0, "do_sample": True}) == SamplingParams()
+    assert _defaults_from({"temperature": 0.6, "top_p": 0.95, "top_k": 20}) == SamplingParams(0.6, 0.95, 20)
+    assert _defaults_from({"temperature": 0.6, "do_sample": False}).greedy
+
+
+def test_parse_devices():
+    assert parse_devices("cpu") == ["cpu"]
+    assert parse_devices("cuda:0, cuda:1") == ["cuda:0", "cuda:1"]
+    assert parse_devices(None) == (["cuda"] if torch.cuda.is_available() else ["cpu"])
+    for bad in ("gpu", "cuda:x", "", "cpu,,cuda", "mps"):
+        with pytest.raises(ValueError, match="unknown device"):
+            parse_devices(bad)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
+def test_cuda_requested_without_cuda():
+    with pytest.raises(EngineError, match="device cuda:1 requested but CUDA is not available"):
+        check_devices(["cpu", "cuda:1"])
+
+
+def test_timings_are_finite(engine):
+    t = engine.complete(prompt_ids(50), SamplingParams(temperature=0, max_new_tokens=3)).timings
+    assert all(v is None or math.isfinite(v) for v in t.values())
+    assert set(t) == {"load_s", "ttft_s", "prefill_tok_s", "decode_s", "decode_tok_s"}
