@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--numerics", choices=("reference", "exact"), default="reference",
                    help="reference: DeepSeek's quantization simulation (default); exact: plain float math")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="activation dtype")
+    p.add_argument("--eager", action="store_true",
+                   help="on CUDA, decode without CUDA graphs (slower; for debugging)")
     p.add_argument("--json", action="store_true", help="print one JSON object with the result at the end")
     p.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
     return p
@@ -164,7 +166,7 @@ def run(args) -> None:
             raise EngineError(f"cannot generate the demo checkpoint: {describe(e)}") from e
     status(f"loading {model_dir} on {','.join(devices)} ({args.numerics} numerics, {args.dtype}) ...")
     engine = Engine.from_pretrained(model_dir, device=devices, max_context=max_context, numerics=args.numerics,
-                                    dtype=getattr(torch, args.dtype))
+                                    dtype=getattr(torch, args.dtype), graphs=not args.eager)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": prompt}]
     printer = None if args.json else StreamPrinter(sys.stdout, sys.stdout.isatty())

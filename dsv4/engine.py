@@ -136,7 +136,7 @@ class Engine:
 
     def __init__(self, model, tokenizer, max_context: int, release: str = "preview", *,
                  defaults: SamplingParams | None = None, eos_ids: frozenset[int] | None = None,
-                 load_s: float | None = None):
+                 load_s: float | None = None, graphs: bool = True):
         limit = min(model.cfg.max_position_embeddings, getattr(model, "max_pos", None) or 1 << 62)
         if not 2 <= max_context <= limit:
             raise EngineError(f"max context {max_context} must be in [2, {limit}] for this model")
@@ -148,15 +148,23 @@ class Engine:
         self.load_s = load_s
         self.state = model.new_state(max_context)
         self.input_device = model.embed.weight.device  # ids enter at the embedding's device
+        # On CUDA, decode replays one captured graph per layer over the same state the chunked prefill
+        # fills; on CPU (or with graphs=False) the decode step runs the chunked path with one token.
+        self.runner = None
+        if graphs and self.input_device.type == "cuda":
+            from dsv4.graphs import DecodeRunner
+
+            self.runner = DecodeRunner(model, self.state, use_graphs=True)
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, *, device: str | list[str] | None = None,
                         max_context: int = 4096, numerics: str = "reference", dtype: torch.dtype = torch.bfloat16,
-                        progress: bool = True) -> Engine:
+                        progress: bool = True, graphs: bool = True) -> Engine:
         """Load checkpoint `path` (None: the embedded demo checkpoint, generated on first use).
 
         Defaults for sampling and the stop ids come from the checkpoint's generation_config.json;
-        the encoder release ("preview" or "0731") from its config.json.
+        the encoder release ("preview" or "0731") from its config.json. graphs: decode through
+        per-layer CUDA graphs when the model is on CUDA (False: eager decode, for debugging).
         """
         devices = parse_devices(device)
         check_devices(devices)
@@ -179,7 +187,7 @@ class Engine:
         tokenizer = load_tokenizer(path)
         return cls(model, tokenizer, max_context, release_from_config(path),
                    defaults=_defaults_from(generation_config), eos_ids=_eos_ids(tokenizer, generation_config),
-                   load_s=time.perf_counter() - t0)
+                   load_s=time.perf_counter() - t0, graphs=graphs)
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -274,6 +282,9 @@ class Engine:
                 finish = "length"
             elif P + len(out) >= self.max_context:
                 finish = "context"
+            elif self.runner is not None:
+                logits = self.runner.step(token_id, self.state.pos).view(1, 1, -1)
+                continue
             else:
                 logits = self.model(token.view(1, 1).to(self.input_device), self.state, last_only=True)
                 continue

@@ -120,6 +120,7 @@ class Transformer(nn.Module):
         self.mtp = nn.ModuleList(MTPBlock(cfg, s, self.numerics) for s in cfg.mtp_layers)
         self.max_pos = max_pos or cfg.max_position_embeddings
         self._ropes: dict = {}
+        self._head_cache: tuple | None = None
 
     # ---- helpers ----
     def rope(self, kind: str, device) -> Rope:
@@ -158,12 +159,24 @@ class Transformer(nn.Module):
             b = self._buffers[name]
             self._buffers[name] = torch.empty_like(b, device=devices[-1]) if b.is_meta else b.to(devices[-1])
         self._ropes.clear()
+        self._head_cache = None
         return self
 
     def logits(self, x: torch.Tensor, fn, base, scale, norm: RMSNorm) -> torch.Tensor:
         # x: [B,S,hc,D] -> [B,S,vocab] fp32
         z = norm(hc_head(x, fn, base, scale, self.cfg.hc_eps, self.cfg.rms_norm_eps))
-        return z.float() @ self.head.weight.float().T
+        return z.float() @ self.head_f32().T
+
+    def head_f32(self) -> torch.Tensor:
+        """The LM head weight in fp32 (the head runs in fp32), converted once and cached: converting
+        129280 x D every step would dominate a small model's decode step."""
+        w = self.head.weight
+        if w.dtype == torch.float32:
+            return w
+        key = (w.data_ptr(), w.device)
+        if self._head_cache is None or self._head_cache[0] != key:
+            self._head_cache = (key, w.float())
+        return self._head_cache[1]
 
     # ---- decode-step pieces (static shapes, device positions: captured as CUDA graphs) ----
     def embed_step(self, ids: torch.Tensor) -> torch.Tensor:
