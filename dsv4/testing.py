@@ -20,6 +20,11 @@ TOLERANCES: dict[str, tuple[float, str]] = {
         1e-4,
         "chunked/decode vs one-shot forward in fp32: only summation order differs",
     ),
+    "logits_reference_incremental_fp32": (
+        2e-3,
+        "as above plus DeepSeek's FP8/FP4 simulations, which are discontinuous: a 1-ulp fp32 difference "
+        "can flip one element's e4m3/e2m1 rounding (<= 2^-3 of that element); observed 7e-7..1.3e-4",
+    ),
 }
 
 

@@ -102,7 +102,7 @@ def test_reference_numerics_chunking_invariance():
         full = ours(ids, state)
         state.reset()
         outs = [ours(ids[:, :37], state)] + [ours(ids[:, p:p + 1], state) for p in range(37, T)]
-    assert_close_rel(torch.cat(outs, 1), full, "logits_incremental_fp32")
+    assert_close_rel(torch.cat(outs, 1), full, "logits_reference_incremental_fp32")
     # the simulations really run: exact numerics on the same weights give different logits
     exact = Transformer(ModelConfig.from_dict(raw), Numerics("exact", torch.float32))
     load_state(exact, weights)

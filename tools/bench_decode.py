@@ -163,7 +163,10 @@ def main(argv=None) -> int:
             n = args.steps if mode == "graph" else max(2, args.steps // 5)
             for _ in range(2):
                 runner.step(1, ctx - 1)
-            row[f"{mode}_token_ms"] = timed_wall(lambda: runner.step(1, ctx - 1), n, devices)
+            # a real decode step waits for its logits (the sampled token feeds the next step), so each
+            # timed step ends with a sync: latency, not the throughput of steps pipelined across GPUs
+            row[f"{mode}_token_ms"] = timed_wall(
+                lambda: torch.cuda.synchronize(runner.step(1, ctx - 1).device), n, devices)
             layer_ms = []
             for i in range(len(model.layers)):  # x_in[i] still holds the last step's input of layer i
                 fn = runner.graphs[i].replay if mode == "graph" else (lambda i=i: runner._run_layer(i))
