@@ -147,3 +147,30 @@ def export_official(model) -> dict[str, torch.Tensor]:
 def hf_logits(model, ids: torch.Tensor) -> torch.Tensor:
     """Full-sequence (stateless) logits [B,S,vocab] fp32 of the HF model."""
     return model(input_ids=ids, use_cache=False).logits.float()
+
+
+def official_name(hf_key: str) -> str:
+    """Official checkpoint name of a (non-expert) HF state-dict key."""
+    k = hf_key[len("model."):] if hf_key.startswith("model.") else hf_key
+    for pat, rep in _RENAMES:
+        k = re.sub(pat, rep, k)
+    return k
+
+
+@torch.no_grad()
+def load_official_into_hf(model, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy {official name: float tensor} into the HF model (inverse of export_official)."""
+    for key, t in model.state_dict().items():
+        if "inv_freq" in key:
+            continue
+        m = re.match(r"^model\.(layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$", key)
+        if m:
+            prefix = f"{m.group(1)}.ffn.experts"
+            for e in range(t.shape[0]):
+                if m.group(2) == "gate_up_proj":
+                    new = torch.cat([tensors[f"{prefix}.{e}.w1.weight"], tensors[f"{prefix}.{e}.w3.weight"]])
+                else:
+                    new = tensors[f"{prefix}.{e}.w2.weight"]
+                t[e].copy_(new)
+            continue
+        t.copy_(tensors[official_name(key)].to(t.dtype))

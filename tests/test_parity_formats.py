@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from dsv4.hf_reference import _RENAMES, build_hf_model, export_official, hf_logits
+from dsv4.hf_reference import build_hf_model, export_official, hf_logits, official_name
 from dsv4.loader import load_model
 from dsv4.writer import TINY_CONFIG, write_checkpoint
 
@@ -17,13 +17,6 @@ pytest.importorskip("transformers")
 T = 96  # 6 windows of 16, 24 CSA entries (index_topk 8), 6 HCA entries
 # fp32 end to end on identical weights: observed ~1e-6; 1e-4 leaves room for summation order
 TOL = 1e-4
-
-
-def _official_name(hf_key: str) -> str:
-    k = hf_key.removeprefix("model.")
-    for pat, rep in _RENAMES:
-        k = re.sub(pat, rep, k)
-    return k
 
 
 def _official_value(model, name: str) -> torch.Tensor:
@@ -61,7 +54,7 @@ def _load_into_hf(hf, model) -> int:
                 changed += int(not torch.equal(new, t[e]))
                 t[e].copy_(new)
             continue
-        new = _official_value(model, _official_name(key)).to(t.dtype)
+        new = _official_value(model, official_name(key)).to(t.dtype)
         assert new.shape == t.shape, key
         changed += int(not torch.equal(new, t))
         t.copy_(new)
