@@ -9,6 +9,7 @@ read from the real packed bytes. It does not own name mapping or file IO (the lo
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
@@ -113,7 +114,7 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 @dataclass(frozen=True, eq=False, repr=False)
-class LinearWeight:
+class LinearWeight(ABC):
     """A linear layer's weight in one storage format. Subclasses declare the stored tensors as
     dataclass fields named by checkpoint suffix and provide layout/quantize/_infer/_dequantize."""
 
@@ -129,9 +130,9 @@ class LinearWeight:
         n, k, opts = self._infer()
         _check(type(self).__name__, self.tensors(), self.layout(n, k, **opts))
 
+    @abstractmethod
     def _infer(self) -> tuple[int, int, dict]:
         """(N, K, layout options) implied by the stored tensors."""
-        raise NotImplementedError
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -156,8 +157,9 @@ class LinearWeight:
         """Reference dequantization from the stored bytes -> [N, K] in dtype."""
         return self._dequantize_f32().to(dtype)
 
+    @abstractmethod
     def _dequantize_f32(self) -> torch.Tensor:
-        raise NotImplementedError
+        """[N, K] fp32 from the stored tensors."""
 
     def matmul_ref(self, x: torch.Tensor, act_quant: bool) -> torch.Tensor:
         """x [..., K] -> x @ W^T [..., N] in x.dtype; fp32 GEMM on the dequantized weight.
