@@ -24,7 +24,6 @@ from dsv4.ops.act_quant import (
     ue8m0_ceil_ref,
 )
 from dsv4.ops.fp4_quant import (
-    E2M1_LUT,
     FP4_AMAX_FLOOR,
     FP4_MAX,
     FP4_MAX_INV,

@@ -230,7 +230,7 @@ class _Renderer:
         elif role == "assistant":
             out += self._render_assistant(i, msg)
         else:
-            raise NotImplementedError(f"Unknown role: {role}")
+            raise NotImplementedError(f"Unknown role: {role}")  # the official encoder's exception kind (ENCODING.md)
         return out + self._transition(i, msg)
 
     def _keeps_reasoning(self, i: int) -> bool:

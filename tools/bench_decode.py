@@ -166,15 +166,15 @@ def main(argv=None) -> int:
             # a real decode step waits for its logits (the sampled token feeds the next step), so each
             # timed step ends with a sync: latency, not the throughput of steps pipelined across GPUs
             row[f"{mode}_token_ms"] = timed_wall(
-                lambda: torch.cuda.synchronize(runner.step(1, ctx - 1).device), n, devices)
+                lambda r=runner, c=ctx: torch.cuda.synchronize(r.step(1, c - 1).device), n, devices)
             layer_ms = []
             for i in range(len(model.layers)):  # x_in[i] still holds the last step's input of layer i
-                fn = runner.graphs[i].replay if mode == "graph" else (lambda i=i: runner._run_layer(i))
+                fn = runner.graphs[i].replay if mode == "graph" else (lambda i=i, r=runner: r._run_layer(i))
                 layer_ms.append(timed(fn, n, runner.devices[i]))
             row[f"{mode}_layer_ms"] = layer_ms
             if mode == "graph":
                 row["graph_head_ms"] = timed(runner.graphs["head"].replay, n, runner.head_dev)
-            del runner
+            runner = None  # free this mode's graphs and their memory pools before the next
         cache = [state_read_bytes(st, ctx - 1, s) for st, s in zip(state.blocks, cfg.layers)]
         row["layer_weight_bytes"] = per_layer_bytes
         row["layer_cache_bytes"] = cache
