@@ -9,11 +9,11 @@ from .encoding_dsv4 import (
     ASSISTANT, BOS, DSML, EOS, RELEASES, THINK_END, THINK_START, USER, encode_messages,
     normalize_release, parse_message_from_completion_text, release_from_config,
 )
-from .streaming import StreamDelta, StreamingParser
+from .streaming import StreamDelta, StreamingParser, ToolCallDelta
 from .tokenizer import IncrementalDecoder, Tokenizer, load_tokenizer
 
 __all__ = [
     "ASSISTANT", "BOS", "DSML", "EOS", "RELEASES", "THINK_END", "THINK_START", "USER",
     "encode_messages", "normalize_release", "parse_message_from_completion_text", "release_from_config",
-    "StreamDelta", "StreamingParser", "IncrementalDecoder", "Tokenizer", "load_tokenizer",
+    "StreamDelta", "StreamingParser", "ToolCallDelta", "IncrementalDecoder", "Tokenizer", "load_tokenizer",
 ]

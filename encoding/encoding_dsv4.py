@@ -446,7 +446,8 @@ def _parse_tool_block(text: str, pos: int) -> tuple[list[dict], int]:
     return calls, pos
 
 
-def parse_message_from_completion_text(text: str, thinking_mode: str) -> dict:
+def parse_message_from_completion_text(text: str, thinking_mode: str, tools: list[dict] | None = None,
+                                       strict: bool = True) -> dict:
     """Parse one generated assistant turn (text after the prompt, INCLUDING the final EOS).
 
     Returns {"role", "content", "reasoning_content", "tool_calls"} with OpenAI-format calls (no id).
@@ -471,4 +472,5 @@ def parse_message_from_completion_text(text: str, thinking_mode: str) -> dict:
 
     for token in (BOS, EOS, THINK_START, THINK_END, DSML):
         _check(token not in content and token not in reasoning, f"Unexpected special token '{token}' in content")
-    return {"role": "assistant", "content": content, "reasoning_content": reasoning, "tool_calls": tool_calls}
+    return {"role": "assistant", "content": content, "reasoning_content": reasoning, "tool_calls": tool_calls,
+            "unparsed": []}

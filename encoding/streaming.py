@@ -1,19 +1,28 @@
 """Incremental parsing of a DeepSeek-V4 completion into reasoning, content and DSML tool calls.
 
-`StreamingParser(thinking_mode).feed(delta_text)` returns one `StreamDelta(reasoning, content,
-tool_calls)`; `tool_calls` lists each call (OpenAI format, no id) once its invoke closes. Text that
-may still start a marker (`</think>`, EOS, DSML opener) is held back until it resolves, and DSML
-is never emitted as content. `finish()` equals `parse_message_from_completion_text(full_text)`:
+API (shared with the engine and the CLI):
 
-    parser = StreamingParser("thinking")
+    parser = StreamingParser(thinking_mode, tools=None)   # "thinking" | "chat"; tools as declared
     for piece in text_deltas:                 # e.g. IncrementalDecoder.push(token_id)
-        d = parser.feed(piece); print(d.reasoning, d.content, sep="", end="")
-    tail = parser.flush()                     # end of stream: releases held-back text
-    message = parser.finish()                 # strict=False: recover instead of raising
+        d = parser.feed(piece)                # StreamDelta
+        d.reasoning, d.content                # text to append
+        d.tool_call_deltas                    # [ToolCallDelta(index, name, arguments, dropped)]
+        d.tool_calls                          # calls completed in this delta (OpenAI format, no id)
+    tail = parser.flush()                     # end of stream: resolves held-back text
+    message = parser.finish(strict=False)     # generation: recover, never raise on model text
 
-Beyond the official grammar (affects deltas and `finish(strict=False)` only): the DSML opener
-ends reasoning even without `</think>`, `<｜DSML｜tool_calls` without the blank line still opens a
-block, and any other stray DSML or text after the block is swallowed rather than shown.
+- `tools`: OpenAI tool schemas (`{"type": "function", "function": {"name": ...}}`) or bare
+  `{"name": ...}` dicts; their names enable the drift recovery of ENCODING.md §6.5.
+- `message` = {"role", "content", "reasoning_content", "tool_calls", "unparsed"}; `unparsed` lists
+  the raw model text that is neither reasoning, content nor a parsed call (malformed DSML, text
+  after the tool calls, a marker prefix left at the end); it is [] for well-formed output.
+- `ToolCallDelta(index, name="", arguments="", dropped=False)`: `name` arrives once, when the
+  invoke header completes; `arguments` fragments arrive per parameter as values stream (string
+  values JSON-escaped incrementally) and concatenate to the call's final `arguments` string;
+  `dropped=True` retracts a started call that did not complete (the index is then reused).
+- `parse_message_from_completion_text(text, thinking_mode, tools=None, strict=True)` is the
+  one-shot equivalent: strict=True raises where DeepSeek's official parser does, strict=False
+  returns exactly what this parser's `finish(strict=False)` returns for any split of `text`.
 """
 
 from __future__ import annotations
@@ -32,16 +41,39 @@ _REASONING_STOPS = (THINK_END, TOOL_CALLS_START, EOS)
 _CONTENT_STOPS = (EOS, TOOL_CALLS_START, _LOOSE_TOOL_CALLS_START, f"</{DSML}", f"<{DSML}", DSML)
 
 
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """One streamed step of tool call `index` (its position in the final `tool_calls` list).
+
+    `name` is set on the call's first delta, when its invoke header completes; `arguments` is
+    the next fragment of the arguments JSON text (the fragments of one call concatenate to its
+    final `arguments` string); `dropped` says the call started but will not complete (its
+    index is reused by the next call, its raw text is reported in `unparsed`).
+    """
+
+    index: int
+    name: str = ""
+    arguments: str = ""
+    dropped: bool = False
+
+
 @dataclass
 class StreamDelta:
-    """What one `feed` produced; fields are empty when nothing was decided yet."""
+    """What one `feed` produced; fields are empty when nothing was decided yet.
+
+    `reasoning` / `content`: text to append. `tool_calls`: calls completed in this delta (OpenAI
+    format, no id). `tool_call_deltas`: `ToolCallDelta` events in stream order (name when an
+    invoke header completes, argument fragments per parameter as values arrive). `bool(delta)`
+    is True when any field has something.
+    """
 
     reasoning: str = ""
     content: str = ""
     tool_calls: list[dict] = field(default_factory=list)
+    tool_call_deltas: list[ToolCallDelta] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.reasoning or self.content or self.tool_calls)
+        return bool(self.reasoning or self.content or self.tool_calls or self.tool_call_deltas)
 
 
 def _partial_marker_start(buf: str, stops: tuple[str, ...]) -> int:
@@ -61,10 +93,11 @@ class StreamingParser:
     current DSML element. The full text is kept to run the official parser in `finish`.
     """
 
-    def __init__(self, thinking_mode: str):
+    def __init__(self, thinking_mode: str, tools: list[dict] | None = None):
         if thinking_mode not in ("chat", "thinking"):
             raise AssertionError(f"Invalid thinking_mode `{thinking_mode}`")
         self.thinking_mode = thinking_mode
+        self.tools = tools
         # The prompt already opened (<think>) or closed (</think>) reasoning; start on the same side.
         self._state = "reasoning" if thinking_mode == "thinking" else "content"
         self._chunks: list[str] = []
@@ -104,12 +137,14 @@ class StreamingParser:
         """
         self.flush()
         try:
-            return parse_message_from_completion_text("".join(self._chunks), self.thinking_mode)
+            message = parse_message_from_completion_text("".join(self._chunks), self.thinking_mode)
+            return message
         except (AssertionError, ValueError):
             if strict:
                 raise
             return {"role": "assistant", "content": "".join(self._content),
-                    "reasoning_content": "".join(self._reasoning), "tool_calls": list(self._tool_calls)}
+                    "reasoning_content": "".join(self._reasoning), "tool_calls": list(self._tool_calls),
+                    "unparsed": []}
 
     # -- internals --------------------------------------------------------------------------------
 

@@ -60,6 +60,7 @@ def test_parse_case(parse_case, tokenizer):
         assert type(err.value) is kind
     else:
         got = parse_message_from_completion_text(parse_case["completion"], parse_case["thinking_mode"])
+        assert got.pop("unparsed") == []  # our addition: the official parser only accepts clean output
         assert got == parse_case["expected"]
 
 
