@@ -3,7 +3,8 @@
 The model's module tree carries the official names (SPEC §3.2), so the table is read off a model
 built on the meta device: name -> shape and accepted dtypes. Plain float tensors (BF16 in the official
 release) may also be F32/F16; quantized data and scales must have their exact dtype; `tid2eid` may be
-I64 or I32. `assign_tensor` puts one tensor into the model (in place of the placeholder buffer).
+I64 or I32. `assign_tensor` puts one tensor into the model: in place of the placeholder buffer, or,
+for a routed expert (`...ffn.experts.{e}.w1.weight`), into slice e of the layer's stacked tensor.
 """
 
 from __future__ import annotations
@@ -48,16 +49,35 @@ def expected_tensors(cfg: ModelConfig, with_mtp: bool = True) -> dict[str, Tenso
     return out
 
 
+def _resolve(model: torch.nn.Module, name: str):
+    """name -> (module, buffer name, expert index or None)."""
+    from dsv4.model.moe import StackedExperts
+
+    parts = name.split(".")
+    mod = model
+    for i, p in enumerate(parts[:-1]):
+        if isinstance(mod, StackedExperts) and p.isdigit() and len(parts) - i == 3:
+            lin, suffix = mod.slot(int(p), parts[i + 1], parts[i + 2])
+            return lin, suffix, int(p)
+        mod = getattr(mod, p)
+    return mod, parts[-1], None
+
+
 def assign_tensor(model: torch.nn.Module, name: str, tensor: torch.Tensor, device=None) -> None:
-    """Replace the placeholder buffer `name` of `model` by `tensor` (moved to the buffer's device).
+    """Put `tensor` into the model as `name` (moved to the buffer's device): replaces the placeholder
+    buffer, or writes a routed expert's slice of its layer's stack (allocated on first use, and kept
+    in the checkpoint's float dtype, so an fp32 checkpoint is not rounded to the placeholder's bf16).
 
     Checks shape and dtype against the placeholder; a float placeholder accepts any float dtype.
     """
-    *path, attr = name.split(".")
-    mod = model
-    for p in path:
-        mod = getattr(mod, p)
+    try:
+        mod, attr, expert = _resolve(model, name)
+    except (AttributeError, KeyError):
+        raise KeyError(f"{name}: the model has no such tensor") from None
     old = mod._buffers.get(attr)
+    if expert is not None and old is not None:
+        _assign_expert(mod, attr, expert, old, name, tensor, device)
+        return
     if old is None:
         raise KeyError(f"{name}: the model has no such tensor")
     if tuple(tensor.shape) != tuple(old.shape):
@@ -66,6 +86,21 @@ def assign_tensor(model: torch.nn.Module, name: str, tensor: torch.Tensor, devic
         raise ValueError(f"{name}: dtype {tensor.dtype}, expected {old.dtype}")
     target = device if device is not None else (old.device if old.device.type != "meta" else "cpu")
     mod._buffers[attr] = tensor.to(target)
+
+
+def _assign_expert(mod, attr: str, e: int, stack: torch.Tensor, name: str, tensor: torch.Tensor, device) -> None:
+    if tuple(tensor.shape) != tuple(stack.shape[1:]):
+        raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(stack.shape[1:])}")
+    if tensor.dtype not in _accepted(name, stack.dtype):
+        raise ValueError(f"{name}: dtype {tensor.dtype}, expected {stack.dtype}")
+    target = torch.device(device) if device is not None else (stack.device if stack.device.type != "meta"
+                                                              else torch.device("cpu"))
+    if stack.device.type == "meta":
+        stack = torch.zeros(stack.shape, dtype=tensor.dtype, device=target)
+    elif stack.dtype != tensor.dtype or stack.device != target:
+        stack = stack.to(device=target, dtype=tensor.dtype if tensor.dtype.is_floating_point else stack.dtype)
+    stack[e].copy_(tensor)
+    mod._buffers[attr] = stack
 
 
 def load_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor], strict: bool = True,

@@ -4,7 +4,7 @@ All decode state lives preallocated on each layer's device (`ModelState`); the s
 position) reach every device through one pinned host buffer and non-blocking copies into static
 tensors, and every position-dependent decision is made on the device, so one capture is right at
 every position. Residual streams hop devices between graphs without host syncs (stream waits only).
-With `use_graphs=False` the same static step runs eagerly (the reference for the graphs).
+With `use_graphs=False` the same step runs eagerly (the reference for the graphs).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ class DecodeRunner:
         if use_graphs and model.embed.weight.device.type != "cuda":
             raise ValueError("CUDA graphs need the model on CUDA devices (use use_graphs=False on CPU)")
         self.model, self.state, self.use_graphs = model, state, use_graphs
-        model.prepare_decode()
+        model.prepare()  # every weight's kernel layout, made before warm-up and capture
         self.devices = [layer.attn_norm.weight.device for layer in model.layers]
         self.embed_dev = model.embed.weight.device
         self.head_dev = model.head.weight.device
@@ -61,9 +61,8 @@ class DecodeRunner:
         return self.model.embed_step(self._ids(self.embed_dev))
 
     def _run_layer(self, i: int) -> torch.Tensor:
-        layer, dev = self.model.layers[i], self.devices[i]
-        rope = self.model.rope(layer.spec.rope, dev)
-        return layer.decode_step(self.x_in[i], self._ids(dev), self._pos(dev), self.state.blocks[i], rope)
+        dev = self.devices[i]
+        return self.model.layer_step(i, self.x_in[i], self._ids(dev), self._pos(dev), self.state.blocks[i])
 
     def _run_head(self) -> torch.Tensor:
         return self.model.head_step(self.x_head)

@@ -25,6 +25,21 @@ TOLERANCES: dict[str, tuple[float, str]] = {
         "as above plus DeepSeek's FP8/FP4 simulations, which are discontinuous: a 1-ulp fp32 difference "
         "can flip one element's e4m3/e2m1 rounding (<= 2^-3 of that element); observed 7e-7..1.3e-4",
     ),
+    # ---- fast op vs its reference (tests/ops, tools/ab_compare.py); max|fast-ref| / max|ref| ----
+    "op_bf16_out": (
+        8e-3,
+        "fp32 accumulation in another order, then one bf16 rounding: an output can land one bf16 ulp "
+        "(2^-8 relative) away, i.e. <= 2^-8 of the largest output, plus fp32 noise; 2 ulps of margin",
+    ),
+    "op_fp32_out": (
+        2e-5,
+        "fp32 accumulation in another order over K <= 16384 terms: ~sqrt(K) * 2^-24 relative, observed < 5e-6",
+    ),
+    "op_attention": (
+        8e-3,
+        "64-slot online softmax in the same order with fp32 sums; only the dot-product summation order "
+        "differs, which can flip one bf16 rounding of P or of the output (2^-8 relative)",
+    ),
 }
 
 
@@ -48,6 +63,20 @@ def assert_close_rel(a: torch.Tensor, b: torch.Tensor, name: str) -> None:
         flat = (a.float() - b.float()).abs().flatten().argmax().item()
         coord = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), a.shape))
         raise AssertionError(f"{name}: relative error {err:.3e} > {tol(name):.1e} (worst at {coord})")
+
+
+def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor, name: str) -> None:
+    """Gathers, index lists, top-k and stores: equal bit for bit (NaNs at the same places)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        raise AssertionError(f"{name}: {a.dtype}{tuple(a.shape)} vs reference {b.dtype}{tuple(b.shape)}")
+    ai = a.contiguous().view(torch.uint8) if a.element_size() == 1 else a.contiguous().view(
+        {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()])
+    bi = b.contiguous().view(ai.dtype)
+    diff = (ai != bi).reshape(a.shape) if a.element_size() > 1 else (ai != bi)
+    if bool(diff.any()):
+        coord = tuple(int(i) for i in diff.nonzero()[0])
+        raise AssertionError(f"{name}: {int(diff.sum())} elements differ, first at {coord}: "
+                             f"{a[coord].item()} vs reference {b[coord].item()}")
 
 
 def tiny_config(ratios: list[int], *, n_mtp: int = 1, num_hash_layers: int = 1, hidden: int = 64,
@@ -90,6 +119,7 @@ def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     stay O(1) through the layers, so the model can be run (tests, benchmarks) without a checkpoint.
     """
     from dsv4.model.layers import Linear
+    from dsv4.model.moe import StackedLinear
 
     g = torch.Generator(device="cpu").manual_seed(seed)
 
@@ -109,6 +139,16 @@ def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
             for sfx, t in stored.items():
                 mod._buffers[sfx].copy_(t)
                 done.add(f"{mname}.{sfx}")
+        if isinstance(mod, StackedLinear):  # routed experts, one quantized weight per expert
+            dev = mod.weight.device
+            for e in range(mod.n_experts):
+                w = randn((mod.out_features, mod.in_features), dev, mod.in_features ** -0.5)
+                opts = {"dtype": mod.weight.dtype} if mod.fmt == "dense" else {}
+                if mod.fmt == "fp8":
+                    opts = {"scale_dtype": "e8m0" if mod.scale.dtype == torch.float8_e8m0fnu else "f32"}
+                for sfx, t in mod.cls.quantize(w, **opts).tensors().items():
+                    mod._buffers[sfx][e].copy_(t)
+            done.update(f"{mname}.{sfx}" for sfx in mod._buffers)
     for name, buf in model.named_buffers():
         if name in done:
             continue

@@ -34,17 +34,17 @@ def test_decode_step_is_clean():
 def test_planted_violations_are_reported_with_module_and_line():
     model = _model()
     attn = model.layers[1].attn
-    original = attn.decode_step
+    original = attn.forward
 
-    def bad_step(x, pos, st, rope):
-        if pos.item() > 1_000_000:  # a Python branch on a tensor value: host sync, breaks capture
+    def bad_step(x, plan, st, rope):
+        if plan.start.item() > 1_000_000:  # a Python branch on a tensor value: host sync, breaks capture
             pass
-        return original(x, pos, st, rope)
+        return original(x, plan, st, rope)
 
-    attn.decode_step = bad_step
+    attn.forward = bad_step
     found = detect_sync.check(model, 300)
     kinds = {(v.kind, v.piece) for v in found}
     assert ("host sync", "layers.1 (csa, ratio 4)") in kinds
     assert ("capture failure", "layers.1 (csa, ratio 4)") in kinds
     assert all(v.piece == "layers.1 (csa, ratio 4)" for v in found)
-    assert any("test_detect_sync.py" in v.where and "pos.item()" in v.where for v in found)
+    assert any("test_detect_sync.py" in v.where and "plan.start.item()" in v.where for v in found)

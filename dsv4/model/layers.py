@@ -1,22 +1,25 @@
-"""Building blocks shared by the model modules: numerics context, RMSNorm, format-aware Linear, RoPE.
+"""Building blocks shared by the model modules: numerics context, RMSNorm, Linear, RoPE tables, step plan.
 
 `Numerics` says how a model computes: `exact` (no quantization simulation; what transformers
 computes) or `reference` (DeepSeek's numerics, SPEC §2.0), and the activation dtype kept between ops.
-`Linear` holds a weight in its stored format (official tensor names as buffer names: `weight`,
-`scale`, ...) and multiplies through `dsv4.formats`; it never keeps a dequantized copy.
+`Linear` holds a weight in its stored format under the official names (`weight`, `scale`, ...) and
+multiplies through `ops.linear` on the kernel layout made once by `prepare()` (re-made when its
+buffers are replaced, e.g. by a reload). `StepPlan` is what one forward step needs to know about
+positions, built on the device: the same module code runs prefill chunks and the captured S = 1
+decode step.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from dsv4 import formats
+from dsv4 import formats, ops
 from dsv4.config import YarnConfig
-from dsv4.ops.act_quant import act_quant_sim_ref
+from dsv4.ops.linear import PreparedLinear, prepare_linear
 
 NUMERICS = ("exact", "reference")
 
@@ -46,17 +49,15 @@ class RMSNorm(nn.Module):
         self.register_buffer("weight", torch.ones(dim, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * xf).to(x.dtype)
+        return ops.rmsnorm(x, self.weight, self.eps)
 
 
 class Linear(nn.Module):
     """y = x @ W^T with W stored in one of `dsv4.formats` (dense, fp8, mxfp4, nvfp4).
 
     Reference numerics quantize the activation to FP8 1x128 (power-of-two scales) before a
-    quantized weight (W8A8 / W4A8), unless `act_quant=False` (wo_a, SPEC §2.0); exact numerics
-    never do. The GEMM runs in fp32 and the result is returned in `out_dtype` (default: x's dtype).
+    quantized weight (W8A8 / W4A8), unless `act_quant=False`; exact numerics never do. The GEMM
+    accumulates in fp32 and the result is returned in `out_dtype` (default: x's dtype).
     """
 
     def __init__(self, in_features: int, out_features: int, fmt: str, numerics: Numerics, *,
@@ -65,38 +66,41 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.fmt = fmt
         self.numerics = numerics
-        self.act_quant = act_quant
+        self.act_quant = act_quant and numerics.reference and fmt != "dense"
         self.cls = formats.FORMATS[fmt]
         for name, (shape, dtype) in self.cls.layout(out_features, in_features, **fmt_opts).items():
             self.register_buffer(name, torch.zeros(shape, dtype=dtype))
+        self._prepared: PreparedLinear | None = None
+        self._prepared_from: tuple = ()
 
-    @property
-    def quantized(self) -> bool:
-        return self.fmt != "dense"
-
-    def stored(self):
+    def stored(self) -> formats.LinearWeight:
         """The weight as its explicit format container (data + scale tensors, no copy)."""
         return self.cls(**dict(self._buffers))
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        """[N, K] in dtype from the stored bytes (tests and tools; the forward never does this)."""
         return self.stored().dequantize(dtype)
 
-    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None, stored=None) -> torch.Tensor:
-        # stored: optional other weight of this layer's shape and format (e.g. an expert gathered by a
-        # device-side index in the CUDA-graph decode step); default: this layer's own weight
-        w = (stored or self.stored()).dequantize(torch.float32)
-        xf = x.float()
-        if self.numerics.reference and self.quantized and self.act_quant:
-            xf = act_quant_sim_ref(xf, 128)
-        return (xf @ w.T).to(out_dtype or x.dtype)
+    def prepared(self) -> PreparedLinear:
+        """The kernel layout of the current buffers, made once (again only if a buffer was replaced or
+        written in place: the key holds each buffer's storage address and version counter)."""
+        key = tuple((b.data_ptr(), b._version) for b in self._buffers.values())
+        if self._prepared is None or key != self._prepared_from:
+            self._prepared = prepare_linear(self.stored())
+            self._prepared_from = key
+        return self._prepared
+
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        return ops.linear(x, self.prepared(), self.act_quant, out_dtype or x.dtype)
 
 
 # --------------------------------------------------------------------------------------------------
-# RoPE: interleaved pairs (x[2i], x[2i+1]) on the LAST `rope_dim` dims of a head (SPEC §2.3.3)
+# RoPE tables: interleaved pairs (x[2i], x[2i+1]) on the LAST `rope_dim` dims of a head (SPEC §2.3.3)
 
 
 def rope_inv_freq(rope_dim: int, theta: float, yarn: YarnConfig | None) -> torch.Tensor:
-    """[rope_dim/2] fp32 angular frequencies; YaRN blends in omega/factor above the ramp (no mscale)."""
+    """[rope_dim/2] fp32 angular frequencies; YaRN blends in omega/factor above the ramp (no mscale),
+    with DeepSeek's expression and evaluation order: f/factor*(1-smooth) + f*smooth, smooth = 1-ramp."""
     freqs = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
     if yarn is None:
         return freqs
@@ -109,11 +113,12 @@ def rope_inv_freq(rope_dim: int, theta: float, yarn: YarnConfig | None) -> torch
     if low == high:
         high += 0.001  # avoid a zero-width ramp
     ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    return (freqs / yarn.factor) * ramp + freqs * (1 - ramp)
+    smooth = 1 - ramp
+    return freqs / yarn.factor * (1 - smooth) + freqs * smooth
 
 
 class Rope:
-    """cos/sin tables [max_pos, rope_dim/2] (fp32) for one RoPE kind, computed once per model."""
+    """cos/sin tables [max_pos, rope_dim/2] (fp32) for one RoPE kind, computed once per model and device."""
 
     def __init__(self, rope_dim: int, theta: float, yarn: YarnConfig | None, max_pos: int, device=None):
         self.rope_dim = rope_dim
@@ -121,15 +126,57 @@ class Rope:
         ang = torch.arange(max_pos, dtype=torch.float32, device=device)[:, None] * inv[None, :]
         self.cos, self.sin = ang.cos(), ang.sin()
 
-    def apply(self, x: torch.Tensor, pos: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        """x: [..., S, (H,) D] rotated on its last rope_dim dims at positions pos [S] (or [..., S])."""
-        rd = self.rope_dim
-        cos, sin = self.cos[pos], self.sin[pos]  # [S, rd/2]
-        if inverse:
-            sin = -sin
-        while cos.dim() < x.dim() - 1:  # broadcast over head dims between S and D
-            cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-        r = x[..., -rd:].float().unflatten(-1, (rd // 2, 2))
-        a, b = r[..., 0], r[..., 1]
-        rot = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
-        return torch.cat((x[..., :-rd], rot.to(x.dtype)), dim=-1)
+    def at(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [S, rope_dim/2] at positions pos [S]."""
+        return self.cos[pos], self.sin[pos]
+
+
+# --------------------------------------------------------------------------------------------------
+# The step plan
+
+
+@dataclass
+class StepPlan:
+    """Positions and index lists of one forward step on one device (all tensors on that device).
+
+    start: [1] int64, the first token's position; pos: [S]. Window index lists (SPEC §2.3.5, the
+    official layout): query t lists positions max(0, t-W+1)..t ascending, then -1 up to `win_len`
+    slots, as rows of cat(ring, chunk kv) (ring slot p % W for p < start, W + p - start for the
+    chunk). win_len is W, except for a first chunk (start 0, S > 1), where DeepSeek's prefill uses
+    min(S, W). A decode step (S = 1) has static sizes: `end` is None and every compressed-entry
+    list covers the whole entries buffer; a prefill chunk knows its end position on the host.
+    """
+
+    start: torch.Tensor
+    pos: torch.Tensor
+    S: int
+    window: int
+    win_len: int
+    win_idx: torch.Tensor  # [S, win_len] int32
+    ring_slots: torch.Tensor  # [min(S, W)] int64: ring slots of the chunk's last min(S, W) tokens
+    end: int | None
+    ropes: dict = field(default_factory=dict)  # kind -> (cos, sin) [S, rd/2]
+
+    @staticmethod
+    def build(start: torch.Tensor, S: int, window: int, host_start: int | None) -> "StepPlan":
+        dev = start.device
+        pos = start + torch.arange(S, device=dev)
+        win_len = min(S, window) if (host_start == 0 and S > 1) else window
+        first = (pos - window + 1).clamp_min(0)
+        p = first[:, None] + torch.arange(win_len, device=dev)[None, :]  # [S, win_len]
+        row = torch.where(p >= start, window + p - start, p % window)
+        win_idx = torch.where(p <= pos[:, None], row, -1).to(torch.int32)
+        keep = min(S, window)
+        end = None if (S == 1 or host_start is None) else host_start + S
+        return StepPlan(start, pos, S, window, win_len, win_idx, pos[S - keep:] % window, end)
+
+    def rope(self, table: Rope) -> tuple[torch.Tensor, torch.Tensor]:
+        key = id(table)
+        if key not in self.ropes:
+            self.ropes[key] = table.at(self.pos)
+        return self.ropes[key]
+
+    def n_entries(self, ratio: int, capacity: int) -> int:
+        """Compressed entries a step's index lists cover: all that can be visible by the end of the chunk
+        (prefill), or the whole buffer (decode: static shapes)."""
+        return capacity if self.end is None else min(self.end // ratio, capacity)

@@ -1,20 +1,21 @@
 """Mixture of experts (SPEC §2.7): router (hash or score + bias), clamped-SwiGLU experts, shared expert.
 
-The router runs in fp32: scores = sqrt(softplus(x W^T)) (or sigmoid / softmax); hash layers take the
-experts from `tid2eid[token]`, others the top-k of scores + bias (bias selects only). Weights are the
-un-biased scores of the chosen experts, normalised and scaled. A routed expert multiplies its SwiGLU
-output by its routing weight BEFORE w2, as DeepSeek does. Routed outputs sum in fp32 with the shared
-expert's, then cast to the activation dtype.
+The routed experts of a layer are owned as stacked [E, ...] tensors (`StackedExperts`, buffers
+`experts.w1.weight` [E, N, K/2], ...): the checkpoint's per-expert names
+(`ffn.experts.{e}.w1.weight`) are routed into slice e by the name table (dsv4/checkpoint.py), so
+the kernels address experts by a device index and a reload writes where the kernels read.
+The math is `ops.router` and `ops.moe_experts`.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from dsv4 import formats, ops
 from dsv4.config import LayerSpec, ModelConfig
 from dsv4.model.layers import Linear, Numerics
+from dsv4.ops.linear import PreparedLinear, prepare_linear
 
 
 class Gate(nn.Module):
@@ -31,96 +32,139 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # x: [T,D], ids: [T] -> weights [T,k] fp32, experts [T,k] int64
-        logits = x.float() @ self.weight.float().T
-        if self.func == "softmax":
-            scores = logits.softmax(-1)
-        elif self.func == "sigmoid":
-            scores = logits.sigmoid()
-        else:
-            scores = F.softplus(logits).sqrt()
-        if self.hash:
-            idx = self.tid2eid[ids].long()
-        else:
-            idx = (scores + self.bias.float()).topk(self.topk, dim=-1).indices
-        w = scores.gather(1, idx)
-        if self.norm_topk and self.func != "softmax":
-            w = w / w.sum(-1, keepdim=True)
-        return w * self.route_scale, idx
+        return ops.router(x, self.weight, None if self.hash else self.bias, self.tid2eid if self.hash else None,
+                          ids, self.func, self.topk, self.norm_topk, self.route_scale)
+
+
+class StackedLinear(nn.Module):
+    """E same-shaped linear weights of one format, stored stacked: buffer `weight` [E, ...], `scale`..."""
+
+    def __init__(self, n_experts: int, in_features: int, out_features: int, fmt: str, **fmt_opts):
+        super().__init__()
+        self.n_experts, self.in_features, self.out_features, self.fmt = n_experts, in_features, out_features, fmt
+        self.cls = formats.FORMATS[fmt]
+        for name, (shape, dtype) in self.cls.layout(out_features, in_features, **fmt_opts).items():
+            self.register_buffer(name, torch.zeros((n_experts, *shape), dtype=dtype))
+        self._prepared: tuple | None = None
+
+    def expert(self, e: int) -> formats.LinearWeight:
+        """Expert e as its stored format container (views into the stack)."""
+        return self.cls(**{k: v[e] for k, v in self._buffers.items()})
+
+    def view(self, e: int) -> "ExpertLinear":
+        return ExpertLinear(self, e)
+
+    def prepared(self) -> PreparedLinear:
+        key = tuple((b.data_ptr(), b._version) for b in self._buffers.values())
+        if self._prepared is None or self._prepared[0] != key:
+            p = prepare_linear(self.expert(0))
+            stack = {k: v for k, v in self._buffers.items()}
+            w = stack["weight"].view(torch.uint8) if p.fmt in ("mxfp4", "nvfp4") else stack["weight"]
+            if p.fmt == "fp8":
+                s = stack["scale"]
+                s = formats.e8m0_to_float(s) if s.dtype == torch.float8_e8m0fnu else s
+            elif p.fmt == "mxfp4":
+                s = stack["scale"].view(torch.uint8)
+            else:
+                s = stack.get("weight_scale")
+            self._prepared = (key, PreparedLinear(p.fmt, p.n, p.k, w, s, stack.get("weight_scale_2")))
+        return self._prepared[1]
+
+
+class ExpertLinear:
+    """Expert e of a StackedLinear, addressable like a Linear under its official name
+    (`weight`, `scale`, ... are views into the stack; `stored()`, `dequantize()`)."""
+
+    def __init__(self, stack: StackedLinear, e: int):
+        self.stack, self.e = stack, e
+        self.in_features, self.out_features, self.fmt = stack.in_features, stack.out_features, stack.fmt
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        bufs = self.__dict__["stack"]._buffers
+        if name in bufs:
+            return bufs[name][self.__dict__["e"]]
+        raise AttributeError(name)
+
+    def stored(self) -> formats.LinearWeight:
+        return self.stack.expert(self.e)
+
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        return self.stored().dequantize(dtype)
+
+
+class StackedExperts(nn.Module):
+    """The routed experts of one layer: w1, w2, w3 each a StackedLinear over all E experts.
+
+    `state_dict()` lists them under the checkpoint's per-expert names (`{e}.w1.weight`, views into
+    the stacks), so the model's state_dict keys stay the official tensor names."""
+
+    def __init__(self, n_experts: int, dim: int, inter: int, fmt: str, **fmt_opts):
+        super().__init__()
+        self.n_experts = n_experts
+        self.w1 = StackedLinear(n_experts, dim, inter, fmt, **fmt_opts)
+        self.w2 = StackedLinear(n_experts, inter, dim, fmt, **fmt_opts)
+        self.w3 = StackedLinear(n_experts, dim, inter, fmt, **fmt_opts)
+        self._register_state_dict_hook(_per_expert_names)
+
+    def __getitem__(self, e: int):
+        """Expert e: an object with w1 / w2 / w3 ExpertLinear views."""
+        if not 0 <= e < self.n_experts:
+            raise IndexError(f"expert {e} of {self.n_experts}")
+        return _Expert(*(getattr(self, w).view(e) for w in ("w1", "w2", "w3")))
+
+    def __len__(self) -> int:
+        return self.n_experts
+
+    def slot(self, e: int, wname: str, suffix: str) -> tuple[StackedLinear, str]:
+        """(stack, buffer name) holding expert e's `wname.suffix` (e.g. 3, "w1", "scale")."""
+        lin = getattr(self, wname, None)
+        if not isinstance(lin, StackedLinear) or suffix not in lin._buffers or not 0 <= e < self.n_experts:
+            raise KeyError(f"{e}.{wname}.{suffix}")
+        return lin, suffix
+
+
+class _Expert:
+    def __init__(self, w1: ExpertLinear, w2: ExpertLinear, w3: ExpertLinear):
+        self.w1, self.w2, self.w3 = w1, w2, w3
+
+
+def _per_expert_names(module: StackedExperts, state_dict: dict, prefix: str, local_metadata) -> None:
+    for wname in ("w1", "w2", "w3"):
+        for suffix in list(getattr(module, wname)._buffers):
+            stacked = state_dict.pop(f"{prefix}{wname}.{suffix}")
+            for e in range(module.n_experts):
+                state_dict[f"{prefix}{e}.{wname}.{suffix}"] = stacked[e]
 
 
 class Expert(nn.Module):
-    def __init__(self, dim: int, inter: int, limit: float, numerics: Numerics, fmt: str, **fmt_opts):
+    """The shared expert (its own w1/w2/w3 Linears)."""
+
+    def __init__(self, dim: int, inter: int, numerics: Numerics, fmt: str, **fmt_opts):
         super().__init__()
-        self.limit = limit
         self.w1 = Linear(dim, inter, fmt, numerics, **fmt_opts)
         self.w2 = Linear(inter, dim, fmt, numerics, **fmt_opts)
         self.w3 = Linear(dim, inter, fmt, numerics, **fmt_opts)
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None, stored=None) -> torch.Tensor:
-        # x: [T,D] -> [T,D] fp32; weight: [T] routing weight applied before w2. stored: optional
-        # (w1, w2, w3) weights of another expert of the same shapes, run through this expert's ops
-        s1, s2, s3 = stored or (None, None, None)
-        gate, up = self.w1(x, torch.float32, s1), self.w3(x, torch.float32, s3)
-        if self.limit > 0:
-            up = up.clamp(-self.limit, self.limit)
-            gate = gate.clamp(max=self.limit)  # asymmetric: the gate has an upper bound only
-        h = F.silu(gate) * up
-        if weight is not None:
-            h = h * weight[:, None]
-        return self.w2(h.to(x.dtype), torch.float32, s2)
+    def prepared(self) -> tuple[PreparedLinear, PreparedLinear, PreparedLinear]:
+        return self.w1.prepared(), self.w2.prepared(), self.w3.prepared()
 
 
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, spec: LayerSpec, numerics: Numerics, fmt: str, expert_fmt: str,
                  fmt_opts: dict, expert_opts: dict):
         super().__init__()
+        self.numerics = numerics
         self.gate = Gate(cfg, spec, numerics)
-        inter, limit = cfg.moe_intermediate_size, cfg.swiglu_limit
-        self.experts = nn.ModuleList(
-            Expert(cfg.hidden_size, inter, limit, numerics, expert_fmt, **expert_opts) for _ in range(cfg.n_routed_experts)
-        )
-        self.shared_experts = Expert(cfg.hidden_size, inter, limit, numerics, fmt, **fmt_opts)
-        self.stacked: dict[str, dict[str, torch.Tensor]] = {}  # filled by stack_experts()
-
-    def stack_experts(self) -> None:
-        """Move every expert's stored tensors into one [E, ...] tensor per (w1|w2|w3, suffix) and make
-        the experts' buffers views of it, so the decode step can gather experts by a device index."""
-        if self.stacked:
-            return
-        for wname in ("w1", "w2", "w3"):
-            lins = [getattr(e, wname) for e in self.experts]
-            self.stacked[wname] = {}
-            for suffix in list(lins[0]._buffers):
-                big = torch.stack([lin._buffers[suffix] for lin in lins])
-                for i, lin in enumerate(lins):
-                    lin._buffers[suffix] = big[i]
-                self.stacked[wname][suffix] = big
-
-    def _expert_weights(self, e: torch.Tensor):
-        # e: [1] int64 device index -> (w1, w2, w3) containers of expert e, gathered on the device
-        cls = self.experts[0].w1.cls
-        return tuple(cls(**{sfx: t.index_select(0, e)[0] for sfx, t in self.stacked[w].items()})
-                     for w in ("w1", "w2", "w3"))
-
-    def decode_step(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        # x: [1,1,D], ids: [1,1] -> [1,1,D]. No host decision: the k chosen experts are gathered by
-        # device indices (requires stack_experts()).
-        x2 = x.flatten(0, 1)
-        w, idx = self.gate(x2, ids.flatten())  # [1,k]
-        y = torch.zeros(x2.shape, dtype=torch.float32, device=x.device)
-        for j in range(idx.shape[1]):
-            y = y + self.experts[0](x2, w[:, j], self._expert_weights(idx[0, j:j + 1]))
-        y = y + self.shared_experts(x2)
-        return y.to(x.dtype).view(x.shape)
+        inter, self.limit = cfg.moe_intermediate_size, cfg.swiglu_limit
+        self.experts = StackedExperts(cfg.n_routed_experts, cfg.hidden_size, inter, expert_fmt, **expert_opts)
+        self.shared_experts = Expert(cfg.hidden_size, inter, numerics, fmt, **fmt_opts)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         # x: [B,S,D] (ffn_norm output), ids: [B,S] -> [B,S,D]
         shape = x.shape
         x = x.flatten(0, 1)
         w, idx = self.gate(x, ids.flatten())
-        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for e in torch.unique(idx).tolist():
-            tok, slot = torch.nonzero(idx == e, as_tuple=True)
-            y.index_add_(0, tok, self.experts[e](x[tok], w[tok, slot]))
-        y = y + self.shared_experts(x)
-        return y.to(x.dtype).view(shape)
+        ex = self.experts
+        y = ops.moe_experts(x, w, idx, ex.w1.prepared(), ex.w2.prepared(), ex.w3.prepared(),
+                            self.shared_experts.prepared(), self.limit, self.numerics.reference)
+        return y.view(shape)

@@ -1,9 +1,12 @@
 """The DeepSeek-V4 model: embedding, hc-expanded blocks, hc head, final norm, LM head, MTP blocks.
 
-Module and buffer names are the official checkpoint names (SPEC §3.2): `state_dict()` keys are the
-tensor names of a checkpoint, with no renaming table. `Transformer.forward` runs a chunk of tokens
-at the state's position (prefill chunk or single decode token) and returns next-token logits (fp32)
-for every position of the chunk; a fresh state and the whole sequence is the stateless forward.
+Module and buffer names are the official checkpoint names (SPEC §3.2), except the routed experts,
+which each layer owns stacked (`ffn.experts.w1.weight` [E, ...]); dsv4/checkpoint.py routes the
+per-expert names there. `Transformer.forward` runs a chunk of tokens at the state's position (prefill
+chunk or single decode token) and returns next-token logits (fp32) for every position of the chunk;
+a fresh state and the whole sequence is the stateless forward. `step()` runs the same layers on a
+device-side position: the piece the CUDA-graph runner captures. `prepare()` makes every weight's
+kernel layout once after loading.
 """
 
 from __future__ import annotations
@@ -13,9 +16,10 @@ from torch import nn
 
 from dsv4.config import LayerSpec, ModelConfig
 from dsv4.model.attention import Attention
-from dsv4.model.layers import Linear, Numerics, RMSNorm, Rope
-from dsv4.model.mhc import hc_head, hc_post, hc_pre
-from dsv4.model.moe import MoE
+from dsv4 import ops
+from dsv4.model.layers import Linear, Numerics, RMSNorm, Rope, StepPlan
+from dsv4.model.moe import ExpertLinear, MoE, StackedExperts
+from dsv4.ops.linear import PreparedLinear
 from dsv4.state import BlockState, ModelState
 
 
@@ -64,23 +68,17 @@ class Block(nn.Module):
 
     def _hc_pre(self, x: torch.Tensor, site: str):
         c = self.cfg
-        return hc_pre(x, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
-                      getattr(self, f"hc_{site}_scale"), c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+        return ops.mhc_pre(x, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
+                           getattr(self, f"hc_{site}_scale"), c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps,
+                           c.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, p0: int, st: BlockState, rope: Rope) -> torch.Tensor:
-        # x: [B,S,hc,D] residual streams -> [B,S,hc,D]
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, plan: StepPlan, st: BlockState, rope: Rope) -> torch.Tensor:
+        # x: [B,S,hc,D] residual streams at plan.pos -> [B,S,hc,D]; the same code for a prefill chunk
+        # and the captured S = 1 decode step
         y, post, comb = self._hc_pre(x, "attn")
-        x = hc_post(self.attn(self.attn_norm(y), p0, st, rope), x, post, comb)
+        x = ops.mhc_post(self.attn(self.attn_norm(y), plan, st, rope), x, post, comb)
         y, post, comb = self._hc_pre(x, "ffn")
-        return hc_post(self.ffn(self.ffn_norm(y), ids), x, post, comb)
-
-
-    def decode_step(self, x: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, st: BlockState, rope: Rope) -> torch.Tensor:
-        # x: [1,1,hc,D] at the device position pos [1]: the CUDA-graph-safe form of forward
-        y, post, comb = self._hc_pre(x, "attn")
-        x = hc_post(self.attn.decode_step(self.attn_norm(y), pos, st, rope), x, post, comb)
-        y, post, comb = self._hc_pre(x, "ffn")
-        return hc_post(self.ffn.decode_step(self.ffn_norm(y), ids), x, post, comb)
+        return ops.mhc_post(self.ffn(self.ffn_norm(y), ids), x, post, comb)
 
 
 class MTPBlock(Block):
@@ -120,7 +118,23 @@ class Transformer(nn.Module):
         self.mtp = nn.ModuleList(MTPBlock(cfg, s, self.numerics) for s in cfg.mtp_layers)
         self.max_pos = max_pos or cfg.max_position_embeddings
         self._ropes: dict = {}
-        self._head_cache: tuple | None = None
+        self._head: tuple | None = None  # (key, PreparedLinear) of the LM head
+
+    # ---- official names: a routed expert's linear is a view into its layer's stack ----
+    def get_submodule(self, target: str):
+        parts = target.split(".")
+        if len(parts) >= 3 and parts[-3] == "experts" and parts[-2].isdigit():
+            experts = super().get_submodule(".".join(parts[:-2]))
+            if isinstance(experts, StackedExperts):
+                return getattr(experts[int(parts[-2])], parts[-1])
+        return super().get_submodule(target)
+
+    def get_buffer(self, target: str) -> torch.Tensor:
+        prefix, _, leaf = target.rpartition(".")
+        mod = self.get_submodule(prefix)
+        if isinstance(mod, ExpertLinear):
+            return getattr(mod, leaf)
+        return super().get_buffer(target)
 
     # ---- helpers ----
     def rope(self, kind: str, device) -> Rope:
@@ -159,24 +173,37 @@ class Transformer(nn.Module):
             b = self._buffers[name]
             self._buffers[name] = torch.empty_like(b, device=devices[-1]) if b.is_meta else b.to(devices[-1])
         self._ropes.clear()
-        self._head_cache = None
+        self._head = None
         return self
 
     def logits(self, x: torch.Tensor, fn, base, scale, norm: RMSNorm) -> torch.Tensor:
         # x: [B,S,hc,D] -> [B,S,vocab] fp32
-        z = norm(hc_head(x, fn, base, scale, self.cfg.hc_eps, self.cfg.rms_norm_eps))
-        return z.float() @ self.head_f32().T
+        z = norm(ops.mhc_head(x, fn, base, scale, self.cfg.hc_eps, self.cfg.rms_norm_eps))
+        return ops.head(z, self.head_weight())
 
-    def head_f32(self) -> torch.Tensor:
-        """The LM head weight in fp32 (the head runs in fp32), converted once and cached: converting
-        129280 x D every step would dominate a small model's decode step."""
+    def head_weight(self) -> PreparedLinear:
+        """The LM head as the head op reads it: the stored bf16 weight for a fast kernel; an fp32 copy,
+        made once, when the reference runs it (converting 129280 x D every step would dominate a small
+        model's CPU decode step)."""
         w = self.head.weight
-        if w.dtype == torch.float32:
-            return w
-        key = (w.data_ptr(), w.device)
-        if self._head_cache is None or self._head_cache[0] != key:
-            self._head_cache = (key, w.float())
-        return self._head_cache[1]
+        want_f32 = ops.OPS["head"].active == "ref" and w.dtype != torch.float32
+        key = (w.data_ptr(), w._version, w.device, want_f32)
+        if self._head is None or self._head[0] != key:
+            self._head = (key, PreparedLinear("dense", w.shape[0], w.shape[1], w.float() if want_f32 else w))
+        return self._head[1]
+
+    def prepare(self) -> "Transformer":
+        """Make every weight's kernel layout now (after loading or placing): each Linear's and the
+        stacked experts' prepared tensors, wo_a in the activation dtype, the head. Later calls re-make
+        only what changed."""
+        for mod in self.modules():
+            if hasattr(mod, "prepared"):
+                mod.prepared()
+            if hasattr(mod, "wo_a_grouped"):
+                mod.wo_a_grouped()
+        if self.head.weight.device.type != "meta":
+            self.head_weight()
+        return self
 
     # ---- decode-step pieces (static shapes, device positions: captured as CUDA graphs) ----
     def embed_step(self, ids: torch.Tensor) -> torch.Tensor:
@@ -184,14 +211,15 @@ class Transformer(nn.Module):
         h = self.embed.weight[ids].to(self.numerics.dtype)
         return h.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()
 
+    def layer_step(self, i: int, x: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, st: BlockState) -> torch.Tensor:
+        """Layer i on one token at the device position pos ([1] int64): x [B,1,hc,D] -> [B,1,hc,D]."""
+        layer = self.layers[i]
+        plan = StepPlan.build(pos, 1, self.cfg.sliding_window, None)
+        return layer(x, ids, plan, st, self.rope(layer.spec.rope, x.device))
+
     def head_step(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B,1,hc,D] -> logits [B,1,vocab] fp32."""
         return self.logits(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.norm)
-
-    def prepare_decode(self) -> None:
-        """One-time layout change for the graph decode step (experts stacked per layer)."""
-        for layer in list(self.layers) + list(self.mtp):
-            layer.ffn.stack_experts()
 
     # ---- forward ----
     def forward_streams(self, ids: torch.Tensor, state: ModelState) -> torch.Tensor:
@@ -204,11 +232,21 @@ class Transformer(nn.Module):
             raise ValueError(f"positions {p0}..{p0 + S - 1} exceed the model's RoPE table ({self.max_pos})")
         h = self.embed.weight[ids].to(self.numerics.dtype)  # [B,S,D]
         x = h.unsqueeze(2).repeat(1, 1, self.cfg.hc_mult, 1)  # four identical streams
+        plans: dict = {}
         for layer, st in zip(self.layers, state.blocks):
             x = x.to(layer.attn_norm.weight.device)
-            x = layer(x, ids.to(x.device), p0, st, self.rope(layer.spec.rope, x.device))
+            x = layer(x, ids.to(x.device), self._plan(plans, x.device, p0, S), st,
+                      self.rope(layer.spec.rope, x.device))
         state.pos = p0 + S
         return x
+
+    def _plan(self, plans: dict, device, p0: int, S: int) -> StepPlan:
+        # one plan per device per step; S = 1 builds the decode step's plan (static sizes), so the eager
+        # single-token path runs exactly what the CUDA-graph runner captures
+        if device not in plans:
+            start = torch.full((1,), p0, dtype=torch.int64, device=device)
+            plans[device] = StepPlan.build(start, S, self.cfg.sliding_window, p0)
+        return plans[device]
 
     def forward(self, ids: torch.Tensor, state: ModelState, last_only: bool = False) -> torch.Tensor:
         """ids: [B,S] -> next-token logits [B,S,vocab] fp32 (or [B,1,vocab] with last_only)."""
@@ -226,5 +264,5 @@ class Transformer(nn.Module):
         e = self.embed.weight[next_ids.to(self.embed.weight.device)].to(device=dev, dtype=self.numerics.dtype)
         x = blk.h_proj(blk.hnorm(streams.to(dev))) + blk.e_proj(blk.enorm(e)).unsqueeze(2)
         next_ids = next_ids.to(dev)
-        x = blk(x, next_ids, p0, state.mtp[k], self.rope(blk.spec.rope, x.device))
+        x = blk(x, next_ids, self._plan({}, dev, p0, next_ids.shape[1]), state.mtp[k], self.rope(blk.spec.rope, dev))
         return self.logits(x, blk.hc_head_fn, blk.hc_head_base, blk.hc_head_scale, blk.norm)

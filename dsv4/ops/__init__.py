@@ -1,0 +1,143 @@
+"""The op seam: every hot op of the model has one entry point here, with a reference and a fast backend.
+
+Each op lives in `dsv4/ops/<op>.py` as `<op>_ref` (pure torch, the spec) and, where one exists, a fast
+implementation with the same signature (Triton beside it, CUDA C++ in `dsv4/kernels/cuda/`). Model
+modules call `ops.<name>(...)`, never a kernel. The backend is chosen once at start with `configure()`
+(`--kernels ref|fast`; default fast on CUDA, ref on CPU), may be overridden per op for A/B runs, and is
+described by `banner()`. An op without a fast implementation on the device runs its reference and is
+listed as such, never silently. `set_hook()` lets tools/ab_compare.py observe every call.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+BACKENDS = ("ref", "fast")
+
+
+@dataclass
+class Op:
+    name: str
+    ref: Callable
+    fast: Callable | None = None  # same signature as ref
+    fast_on: tuple[str, ...] = ("cuda",)  # device types the fast path runs on
+    interpretable: bool = False  # fast path is Triton: runs on CPU under TRITON_INTERPRET=1
+    doc: str = ""
+    active: str = "ref"  # the backend bound now
+    impl: Callable | None = field(default=None, repr=False)
+
+    def fast_available(self, device_type: str) -> tuple[bool, str]:
+        """(available, why not) for the fast path on a device type."""
+        if self.fast is None:
+            return False, "no fast implementation yet"
+        if device_type in self.fast_on:
+            return True, ""
+        if device_type == "cpu" and self.interpretable:
+            if os.environ.get("TRITON_INTERPRET") == "1":
+                return True, ""
+            return False, "Triton on CPU needs TRITON_INTERPRET=1"
+        return False, f"needs {'/'.join(self.fast_on)}"
+
+
+OPS: dict[str, Op] = {}
+_hook: Callable | None = None  # (op, args, kwargs) -> result; set by ab_compare
+
+
+def register(name: str, ref: Callable, fast: Callable | None = None, *, fast_on=("cuda",),
+             interpretable: bool = False, doc: str = "") -> None:
+    op = Op(name, ref, fast, tuple(fast_on), interpretable, doc)
+    op.impl = ref
+    OPS[name] = op
+
+
+def _dispatcher(name: str) -> Callable:
+    def call(*args, **kwargs):
+        op = OPS[name]
+        if _hook is not None:
+            return _hook(op, args, kwargs)
+        return op.impl(*args, **kwargs)
+
+    call.__name__ = name
+    call.__qualname__ = name
+    call.__doc__ = f"ops.{name}: dispatches to the backend bound by dsv4.ops.configure()"
+    return call
+
+
+def default_backend(device_type: str) -> str:
+    return "fast" if device_type == "cuda" else "ref"
+
+
+def configure(kernels: str | None = None, device_type: str = "cpu",
+              overrides: dict[str, str] | None = None) -> dict[str, str]:
+    """Bind every op to a backend once: `kernels` ("ref" | "fast"; None = default for the device),
+    per-op `overrides` {op: backend}. A fast op unavailable on the device runs its reference.
+    Returns {op: "fast" | "ref" | "ref (reason)"} for the run banner."""
+    kernels = kernels or default_backend(device_type)
+    if kernels not in BACKENDS:
+        raise ValueError(f"kernels must be one of {BACKENDS}, got {kernels!r}")
+    overrides = dict(overrides or {})
+    unknown = sorted(set(overrides) - set(OPS))
+    if unknown:
+        raise ValueError(f"unknown op(s) {', '.join(unknown)}; ops are: {', '.join(sorted(OPS))}")
+    bad = {k: v for k, v in overrides.items() if v not in BACKENDS}
+    if bad:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {bad}")
+    report = {}
+    for name, op in OPS.items():
+        want = overrides.get(name, kernels)
+        ok, why = op.fast_available(device_type)
+        if want == "fast" and ok:
+            op.active, op.impl = "fast", op.fast
+            report[name] = "fast"
+        else:
+            op.active, op.impl = "ref", op.ref
+            report[name] = "ref" if want == "ref" else f"ref ({why})"
+    return report
+
+
+def active() -> dict[str, str]:
+    return {name: op.active for name, op in OPS.items()}
+
+
+def banner(report: dict[str, str]) -> str:
+    """One line: which ops run fast, which run their reference and why."""
+    groups: dict[str, list[str]] = {}
+    for n, r in report.items():
+        groups.setdefault(r, []).append(n)
+    parts = [f"{r}: {', '.join(ns)}" for r, ns in groups.items()]
+    return "kernels: " + "; ".join(parts)
+
+
+def set_hook(hook: Callable | None) -> None:
+    global _hook
+    _hook = hook
+
+
+# ---- the registry (import order = listing order) ----
+from dsv4.ops import (  # noqa: E402
+    act_quant as _act_quant, head as _head, linear as _linear, mhc as _mhc, moe as _moe, norm as _norm,
+    rope as _rope, sparse_attn as _sparse_attn, compressor as _compressor, indexer as _indexer,
+)
+
+for _mod in (_act_quant, _linear, _norm, _rope, _mhc, _compressor, _indexer, _sparse_attn, _moe, _head):
+    _mod.register_ops(register)
+
+act_quant = _dispatcher("act_quant")
+linear = _dispatcher("linear")
+wo_a = _dispatcher("wo_a")
+rmsnorm = _dispatcher("rmsnorm")
+q_norm_rope = _dispatcher("q_norm_rope")
+kv_norm_rope = _dispatcher("kv_norm_rope")
+rope = _dispatcher("rope")
+mhc_pre = _dispatcher("mhc_pre")
+mhc_post = _dispatcher("mhc_post")
+mhc_head = _dispatcher("mhc_head")
+compressor = _dispatcher("compressor")
+indexer_scores = _dispatcher("indexer_scores")
+topk_select = _dispatcher("topk_select")
+sparse_attn = _dispatcher("sparse_attn")
+router = _dispatcher("router")
+moe_experts = _dispatcher("moe_experts")
+head = _dispatcher("head")

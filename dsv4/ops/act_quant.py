@@ -54,3 +54,7 @@ def act_quant_sim_ref(
     q, s = act_quant_ref(x, block_size)
     y = q.float().unflatten(-1, s.shape[-1:] + (block_size,)) * s.unsqueeze(-1)
     return y.flatten(-2).to(out_dtype or x.dtype)
+
+
+def register_ops(register) -> None:
+    register("act_quant", act_quant_ref, doc="FP8 e4m3 1 x block activation quantization, power-of-two scales")

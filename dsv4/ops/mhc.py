@@ -1,8 +1,8 @@
 """Manifold-constrained hyper-connections (SPEC §2.2, §2.8): the 4 residual streams' mixing, in fp32.
 
-hc_pre collapses the streams into a block input (weights `pre`) and derives `post` and the
-Sinkhorn-normalised `comb`; hc_post expands the block output back: X'_k = post_k f + sum_j comb[j,k] X_j
-(comb transposed: the contraction runs over its FIRST index). hc_head collapses for the final norm.
+mhc_pre collapses the streams into a block input (weights `pre`) and derives `post` and the
+Sinkhorn-normalised `comb`; mhc_post expands the block output back: X'_k = post_k f + sum_j comb[j,k] X_j
+(comb transposed: the contraction runs over its FIRST index). mhc_head collapses for the final norm.
 """
 
 from __future__ import annotations
@@ -11,13 +11,14 @@ import torch
 
 
 def hc_mixes(x: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
-    # x: [B,S,hc,D] -> [B,S,mix] = (flatten(x) @ fn^T) * rsqrt(mean(flatten(x)^2) + eps), fp32
+    # x: [B,S,hc,D] -> [B,S,mix] = (flatten(x) @ fn^T) * rsqrt(mean(flatten(x)^2) + eps), fp32; the
+    # projection first, then the scaling by the statistic, in DeepSeek's order (SPEC §2.2 step 3)
     xf = x.flatten(2).float()
     r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
-    return (xf * r) @ fn.float().T
+    return (xf @ fn.float().T) * r
 
 
-def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int,
+def mhc_pre_ref(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int,
            iters: int, hc_eps: float, norm_eps: float):
     """x: [B,S,hc,D] -> y: [B,S,D] (x.dtype), post: [B,S,hc] fp32, comb: [B,S,hc,hc] fp32."""
     m = hc_mixes(x, fn, norm_eps)
@@ -34,15 +35,21 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     return y.to(x.dtype), post, comb
 
 
-def hc_post(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+def mhc_post_ref(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """f: [B,S,D], x: [B,S,hc,D] -> [B,S,hc,D]: post_k f + (comb^T @ x)_k, fp32, cast to x.dtype."""
     out = post.unsqueeze(-1) * f.float().unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), x.float())
     return out.to(x.dtype)
 
 
-def hc_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
+def mhc_head_ref(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
             norm_eps: float) -> torch.Tensor:
     """x: [B,S,hc,D] -> [B,S,D] (x.dtype): sigmoid-weighted stream sum, no Sinkhorn."""
     m = hc_mixes(x, fn, norm_eps)
     pre = torch.sigmoid(m * scale.float() + base.float()) + hc_eps
     return (pre.unsqueeze(-1) * x.float()).sum(2).to(x.dtype)
+
+
+def register_ops(register) -> None:
+    register("mhc_pre", mhc_pre_ref, doc="mHC pre: mixes, Sinkhorn, stream collapse (fp32)")
+    register("mhc_post", mhc_post_ref, doc="mHC post: post * f + comb^T @ streams (fp32)")
+    register("mhc_head", mhc_head_ref, doc="head hyper-connection: sigmoid-weighted stream sum")

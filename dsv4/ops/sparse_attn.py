@@ -1,26 +1,61 @@
-"""Sparse MQA attention with a per-head sink (SPEC §2.3.5), reference in PyTorch.
+"""Sparse MQA attention with a per-head sink over index lists (SPEC §2.3.5), reference in PyTorch.
 
-One shared K = V vector per key; each query attends to the keys its mask marks visible. The sink
-logit adds exp(sink - m) to the softmax denominator only (no value), and the max m excludes it.
-Probabilities enter the P.V product in the KV dtype (bf16 in DeepSeek's kernel), the division by
-the denominator runs in fp32. A query with no visible key gets an all-zero output.
+One shared K = V vector per key. Each query attends to the keys its index list names: first the
+window part (rows of `kv_win`: the ring followed by the chunk's own kv), then the compressed part
+(rows of `kv_comp`: HCA's visible entries ascending, CSA's indexer top-k in score order); -1 marks
+an empty slot. The list is walked in blocks of 64 slots with DeepSeek's online softmax:
+per block m_new = max(m, max s); p = exp(s - m_new) (fp32); Z = Z e^(m - m_new) + sum p (unrounded);
+acc = acc e^(m - m_new) + P.V with P rounded to the KV dtype (bf16) and the products summed in fp32.
+At the end Z += exp(sink - m) (the sink adds to the denominator only; the max excludes it) and
+o = acc / Z in fp32, rounded once. A query with no valid slot gets an all-zero output. Block
+boundaries count the -1 slots too, so the layout of the list is part of the numerics.
 """
 
 from __future__ import annotations
 
 import torch
 
+BLOCK = 64  # slots per online-softmax step, as DeepSeek's kernel
 
-def sparse_attn_ref(q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, sink: torch.Tensor,
-                    scale: float) -> torch.Tensor:
-    """q: [B,S,H,D], kv: [B,N,D], visible: [B,S,N] bool, sink: [H] fp32 -> o: [B,S,H,D] in q.dtype."""
-    if kv.shape[1] != visible.shape[-1]:
-        raise ValueError(f"mask covers {visible.shape[-1]} keys but kv has {kv.shape[1]}")
-    s = torch.einsum("bshd,bnd->bshn", q.float(), kv.float()) * scale  # fp32 logits
-    s = s.masked_fill(~visible[:, :, None, :], float("-inf"))
-    m = s.amax(-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # rows with no visible key
-    p = torch.exp(s - m)  # [B,S,H,N]
-    z = p.sum(-1, keepdim=True) + torch.exp(sink.float()[None, None, :, None] - m)
-    o = torch.einsum("bshn,bnd->bshd", p.to(kv.dtype), kv).float() / z
-    return o.to(q.dtype)
+
+def gather_rows(kv: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """kv [B, N, D], idx [B, S, L] int (-1 = none) -> [B, S, L, D] (rows of -1 are row 0; mask them)."""
+    B, S, L = idx.shape
+    flat = idx.clamp_min(0).long().reshape(B, S * L)
+    return torch.gather(kv, 1, flat[..., None].expand(-1, -1, kv.shape[-1])).view(B, S, L, -1)
+
+
+def sparse_attn_ref(q: torch.Tensor, kv_win: torch.Tensor, idx_win: torch.Tensor, kv_comp: torch.Tensor | None,
+                    idx_comp: torch.Tensor | None, sink: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B,S,H,D]; kv_win [B,Nw,D] + idx_win [B,S,Lw]; kv_comp [B,Nc,D] + idx_comp [B,S,Lc] (or None);
+    sink [H] fp32 -> o [B,S,H,D] in q.dtype."""
+    keys, idx = [gather_rows(kv_win, idx_win)], [idx_win]
+    if idx_comp is not None and idx_comp.shape[-1] > 0:
+        keys.append(gather_rows(kv_comp, idx_comp))
+        idx.append(idx_comp)
+    k = torch.cat(keys, 2)  # [B,S,L,D] in the KV dtype
+    valid = torch.cat(idx, 2) >= 0  # [B,S,L]
+    s = torch.einsum("bshd,bsld->bshl", q.float(), k.float()) * scale  # fp32 logits
+    s = s.masked_fill(~valid[:, :, None, :], float("-inf"))
+    B, S, H, D = q.shape
+    m = torch.full((B, S, H), float("-inf"), device=q.device)
+    z = torch.zeros(B, S, H, device=q.device)
+    acc = torch.zeros(B, S, H, D, device=q.device)
+    base = torch.zeros_like(m)  # the running max, 0 while no slot was valid (keeps exp() finite)
+    for b0 in range(0, s.shape[-1], BLOCK):
+        sb = s[..., b0:b0 + BLOCK]
+        m_new = torch.maximum(m, sb.amax(-1))
+        base_new = torch.where(torch.isinf(m_new), 0.0, m_new)
+        alpha = torch.exp(m - base_new)  # 0 while nothing was valid (acc and z are still 0)
+        p = torch.exp(sb - base_new[..., None])  # fp32
+        z = z * alpha + p.sum(-1)
+        pv = torch.einsum("bshl,bsld->bshd", p.to(k.dtype).float(), k[:, :, b0:b0 + BLOCK].float())
+        acc = acc * alpha[..., None] + pv
+        m, base = m_new, base_new
+    z = z + torch.exp(sink.float() - base)
+    return (acc / z[..., None]).to(q.dtype)
+
+
+def register_ops(register) -> None:
+    register("sparse_attn", sparse_attn_ref,
+             doc="MQA over window + compressed index lists, 64-slot online softmax with sink")

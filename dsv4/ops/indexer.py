@@ -1,0 +1,37 @@
+"""Lightning Indexer scores and top-k selection (SPEC §2.5).
+
+`indexer_scores_ref(q, w, k, low_precision)`: I[b,s,n] = sum_h w[b,s,h] * relu(q[b,s,h] . k[b,n]); in
+the activation dtype (bf16) under reference numerics, as DeepSeek computes it, else in fp32.
+`topk_select_ref(scores, n_visible, k)`: per query the k best of its first n_visible[s] entries,
+in descending score order with ties resolved to the lower entry index (so chunked and one-shot runs
+select the same list), as int32 entry indices; slots past the visible count are -1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def indexer_scores_ref(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, low_precision: bool) -> torch.Tensor:
+    """q [B,S,H,d], w [B,S,H] (weights_proj output times the scale), k [B,N,d] -> [B,S,N]."""
+    if low_precision:
+        score = torch.relu(torch.einsum("bshd,btd->bsht", q, k.to(q.dtype)))
+        return (score * w.to(q.dtype).unsqueeze(-1)).sum(2)
+    score = torch.relu(torch.einsum("bshd,btd->bsht", q.float(), k.float()))
+    return (score * w.float().unsqueeze(-1)).sum(2)
+
+
+def topk_select_ref(scores: torch.Tensor, n_visible: torch.Tensor, k: int) -> torch.Tensor:
+    """scores [B,S,N], n_visible [S] int64 (entries 0..n-1 visible to query s) -> idx [B,S,k] int32."""
+    N = scores.shape[-1]
+    visible = torch.arange(N, device=scores.device)[None, :] < n_visible[:, None]  # [S,N]
+    s = scores.float().masked_fill(~visible, float("-inf"))
+    # stable sort: equal scores (exact zeros are common after the ReLU) resolve to the lower index
+    top = s.sort(dim=-1, descending=True, stable=True)
+    idx, val = top.indices[..., :k], top.values[..., :k]
+    return torch.where(torch.isinf(val) & (val < 0), -1, idx).to(torch.int32)
+
+
+def register_ops(register) -> None:
+    register("indexer_scores", indexer_scores_ref, doc="Lightning Indexer scores over compressed keys")
+    register("topk_select", topk_select_ref, doc="top-k entry indices per query, ties to the lower index")

@@ -1,0 +1,136 @@
+"""Linear layers on prepared weights (SPEC §2.0): `linear`, the grouped `wo_a`, and `prepare_linear`.
+
+Owns `PreparedLinear`, the layout every linear kernel reads, made once after loading by
+`prepare_linear` from a stored `dsv4.formats` container (no copy of the weight bytes):
+- dense: `weight` [N, K] bf16/f16/f32;
+- fp8: `weight` [N, K] float8_e4m3fn, `scale` [ceil(N/128), ceil(K/128)] fp32 (powers of two);
+- mxfp4: `weight` [N, K/2] uint8 (low nibble = even k), `scale` [N, K/32] uint8: the E8M0 bytes b,
+  scale = 2^(b - 127) (kept as bytes: as fp32 they would be 4x larger, ~0.8 GB per Flash layer);
+- nvfp4: `weight` [N, K/2] uint8, `scale` [N, K/16] float8_e4m3fn, `global_scale` [] fp32;
+  W = (e2m1 * float(scale)) * global_scale.
+A leading expert dim [E, ...] on every tensor stacks the routed experts of a layer.
+
+`linear_ref(x, w, act_quant, out_dtype)`: with act_quant the activation is FP8-simulated in 1x128
+blocks (the reference's W8A8 / W4A8), then an fp32 GEMM on the dequantized weight, rounded once
+to out_dtype. `wo_a_ref`: the grouped low-rank output projection in the activation dtype (DeepSeek
+runs wo_a dequantized to bf16, without activation quantization).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsv4 import formats
+from dsv4.ops.act_quant import act_quant_sim_ref
+from dsv4.ops.fp4_quant import e2m1_lut
+
+ACT_BLOCK = 128
+
+
+@dataclass(eq=False)
+class PreparedLinear:
+    fmt: str  # "dense" | "fp8" | "mxfp4" | "nvfp4"
+    n: int  # out_features
+    k: int  # in_features
+    weight: torch.Tensor
+    scale: torch.Tensor | None = None
+    global_scale: torch.Tensor | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.fmt != "dense"
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.weight, self.scale, self.global_scale) if t is not None]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def select(self, e: int) -> "PreparedLinear":
+        """Expert e of a stacked [E, ...] weight."""
+        pick = (lambda t: None if t is None else t[e])
+        return PreparedLinear(self.fmt, self.n, self.k, self.weight[e], pick(self.scale), pick(self.global_scale))
+
+    def gather(self, idx: torch.Tensor) -> "PreparedLinear":
+        """Expert idx ([1] device index) of a stacked weight, gathered without a host sync."""
+        pick = (lambda t: None if t is None else t.index_select(0, idx)[0])
+        return PreparedLinear(self.fmt, self.n, self.k, pick(self.weight), pick(self.scale), pick(self.global_scale))
+
+    def dequantize(self) -> torch.Tensor:
+        """[N, K] fp32 (reference only: the fast path never materializes this)."""
+        w, n, k = self.weight, self.n, self.k
+        if self.fmt == "dense":
+            return w.float()
+        if self.fmt == "fp8":
+            s = self.scale.repeat_interleave(128, -2).repeat_interleave(128, -1)[..., :n, :k]
+            return w.float() * s
+        codes = torch.stack((w & 0xF, w >> 4), dim=-1).flatten(-2).long()
+        vals = e2m1_lut(w.device)[codes]
+        blk = k // self.scale.shape[-1]
+        s = formats.e8m0_to_float(self.scale) if self.fmt == "mxfp4" else self.scale.float()
+        out = vals * s.repeat_interleave(blk, -1)
+        if self.fmt == "nvfp4":
+            out = out * self.global_scale
+        return out
+
+
+def prepare_linear(w: formats.LinearWeight) -> PreparedLinear:
+    """A stored weight container -> the kernel layout (weight bytes and FP4 scales shared, FP8 block scales
+    as fp32)."""
+    n, k = w.shape
+    if isinstance(w, formats.DenseWeight):
+        return PreparedLinear("dense", n, k, w.weight)
+    if isinstance(w, formats.Fp8BlockWeight):
+        return PreparedLinear("fp8", n, k, w.weight, w._scale_f32().contiguous())
+    if isinstance(w, formats.Mxfp4Weight):
+        return PreparedLinear("mxfp4", n, k, w.weight.view(torch.uint8), w.scale.view(torch.uint8))
+    if isinstance(w, formats.Nvfp4Weight):
+        return PreparedLinear("nvfp4", n, k, w.weight.view(torch.uint8), w.weight_scale, w.weight_scale_2)
+    raise ValueError(f"prepare_linear: unsupported weight {type(w).__name__}")
+
+
+def stack_prepared(ws: list[PreparedLinear]) -> PreparedLinear:
+    """Stack same-shaped prepared weights into one [E, ...] PreparedLinear (copies)."""
+    w0 = ws[0]
+    st = (lambda name: None if getattr(w0, name) is None else torch.stack([getattr(w, name) for w in ws]))
+    return PreparedLinear(w0.fmt, w0.n, w0.k, st("weight"), st("scale"), st("global_scale"))
+
+
+def linear_ref(x: torch.Tensor, w: PreparedLinear, act_quant: bool, out_dtype: torch.dtype) -> torch.Tensor:
+    """x [..., K] -> x @ W^T [..., N] in out_dtype (fp32 GEMM; FP8 1x128 activation simulation first
+    when act_quant and the weight is quantized)."""
+    if x.shape[-1] != w.k:
+        raise ValueError(f"linear: x {tuple(x.shape)} does not match K={w.k}")
+    if act_quant and w.quantized:
+        xf = act_quant_sim_ref(x, ACT_BLOCK, out_dtype=torch.float32)
+    else:
+        xf = x.float()
+    return (xf @ w.dequantize().T).to(out_dtype)
+
+
+def wo_a_ref(o: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """o [..., G, Dg] (activation dtype), w [G, R, Dg] (activation dtype) -> z [..., G, R] in o.dtype:
+    z[g, r] = sum_d o[g, d] w[g, r, d], in the activation dtype as DeepSeek's bf16 einsum."""
+    return torch.einsum("...gd,grd->...gr", o, w.to(o.dtype))
+
+
+def load_triton_module():
+    """dsv4.ops.linear_triton, or None where it cannot be imported (no Triton on this machine): then
+    the references run and `ops.configure` lists the ops as such."""
+    try:
+        from dsv4.ops import linear_triton
+    except ImportError:
+        return None
+    return linear_triton
+
+
+def register_ops(register) -> None:
+    linear_triton = load_triton_module()
+    fast_linear = getattr(linear_triton, "linear", None)
+    fast_wo_a = getattr(linear_triton, "wo_a", None)
+    register("linear", linear_ref, fast_linear, interpretable=True,
+             doc="x @ W^T for dense / FP8 block / MXFP4 / NVFP4 weights, FP8 1x128 activation quantization")
+    register("wo_a", wo_a_ref, fast_wo_a, interpretable=True,
+             doc="grouped low-rank output projection, bf16 weights, no activation quantization")

@@ -1,0 +1,79 @@
+"""MoE router and experts (SPEC §2.7), references in PyTorch.
+
+`router_ref`: fp32 gate logits, sqrtsoftplus / sigmoid / softmax scores, experts from `tid2eid[ids]`
+(hash layers) or the top-k of scores + bias (the bias selects only); weights are the un-biased scores
+of the chosen experts, normalised, times the route scale.
+`moe_experts_ref`: for each token its routed experts (stacked [E, ...] prepared weights) and the shared
+expert: gate = w1(x), up = w3(x), each rounded to the activation dtype (DeepSeek's GEMMs write bf16);
+up clamped to [-limit, limit], gate to <= limit; h = silu(gate) * up in fp32, times the routing weight
+BEFORE w2 (routed only); w2's output rounded to the activation dtype; routed outputs summed in fp32 in
+ascending expert order, then the shared expert's; the sum cast to the activation dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dsv4.ops.linear import PreparedLinear, linear_ref
+
+
+def router_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.Tensor | None,
+               ids: torch.Tensor, func: str, topk: int, norm_topk: bool, route_scale: float):
+    """x [T,D], weight [E,D], ids [T] -> (weights [T,k] fp32, experts [T,k] int64)."""
+    logits = x.float() @ weight.float().T
+    if func == "softmax":
+        scores = logits.softmax(-1)
+    elif func == "sigmoid":
+        scores = logits.sigmoid()
+    else:
+        scores = F.softplus(logits).sqrt()
+    if tid2eid is not None:
+        idx = tid2eid[ids].long()
+    else:
+        idx = (scores + bias.float()).topk(topk, dim=-1).indices
+    w = scores.gather(1, idx)
+    if norm_topk and func != "softmax":
+        w = w / w.sum(-1, keepdim=True)
+    return w * route_scale, idx
+
+
+def expert_ref(x: torch.Tensor, w1: PreparedLinear, w2: PreparedLinear, w3: PreparedLinear, limit: float,
+               act_quant: bool, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """One clamped-SwiGLU expert: x [T,D] -> [T,D] fp32 (values rounded to x.dtype, see module doc)."""
+    gate = linear_ref(x, w1, act_quant, x.dtype).float()
+    up = linear_ref(x, w3, act_quant, x.dtype).float()
+    if limit > 0:
+        up = up.clamp(-limit, limit)
+        gate = gate.clamp(max=limit)  # asymmetric: the gate has an upper bound only
+    h = F.silu(gate) * up
+    if weight is not None:
+        h = h * weight[:, None]
+    return linear_ref(h.to(x.dtype), w2, act_quant, x.dtype).float()
+
+
+def moe_experts_ref(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w1: PreparedLinear,
+                    w2: PreparedLinear, w3: PreparedLinear, shared: tuple | None, limit: float,
+                    act_quant: bool) -> torch.Tensor:
+    """x [T,D], weights/idx [T,k], stacked w1/w2/w3 [E,...], shared (w1, w2, w3) -> [T,D] in x.dtype."""
+    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    if x.shape[0] == 1:  # decode: experts gathered by device index, no host sync (graph-safe)
+        order = idx[0].sort().indices
+        for j in range(idx.shape[1]):
+            slot = order[j:j + 1]
+            e = idx[0].index_select(0, slot)
+            y = y + expert_ref(x, w1.gather(e), w2.gather(e), w3.gather(e), limit, act_quant,
+                               weights[0].index_select(0, slot))
+    else:  # a chunk: loop over the experts hit, ascending
+        for e in torch.unique(idx).tolist():
+            tok, slot = torch.nonzero(idx == e, as_tuple=True)
+            y.index_add_(0, tok, expert_ref(x[tok], w1.select(e), w2.select(e), w3.select(e), limit, act_quant,
+                                            weights[tok, slot]))
+    if shared is not None:
+        y = y + expert_ref(x, *shared, limit, act_quant)
+    return y.to(x.dtype)
+
+
+def register_ops(register) -> None:
+    register("router", router_ref, doc="gate scores, hash or bias-corrected top-k, normalised weights")
+    register("moe_experts", moe_experts_ref, doc="routed + shared clamped-SwiGLU experts, weighted sum")

@@ -1,0 +1,54 @@
+"""RoPE on the last `rope_dim` dims, interleaved pairs (SPEC §2.3.3), and the attention prologues built on it.
+
+`rope_ref(x, cos, sin, inverse)`: x [B, S, (H,) D] rotated on its last 2*cos.shape[-1] dims by the
+per-token angles (cos, sin [S, rd/2] fp32, already gathered at the tokens' positions); fp32 math,
+written back in x.dtype; inverse rotates by the conjugate.
+`q_norm_rope_ref`: the query's per-head unweighted RMS normalisation (statistic in the activation
+dtype under reference numerics, as DeepSeek computes it in bf16; fp32 otherwise) then RoPE.
+`kv_norm_rope_ref`: kv_norm (weighted RMSNorm), RoPE, then the FP8 simulation of the no-RoPE dims
+(block 64, power-of-two scales) under reference numerics.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4.ops.act_quant import act_quant_sim_ref
+from dsv4.ops.norm import rmsnorm_ref
+
+
+def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    rd = 2 * cos.shape[-1]
+    if inverse:
+        sin = -sin
+    while cos.dim() < x.dim() - 1:  # broadcast over head dims between S and D
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    r = x[..., -rd:].float().unflatten(-1, (rd // 2, 2))
+    a, b = r[..., 0], r[..., 1]
+    rot = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+    return torch.cat((x[..., :-rd], rot.to(x.dtype)), dim=-1)
+
+
+def q_norm_rope_ref(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
+                    low_precision_stat: bool) -> torch.Tensor:
+    """q [B, S, H, D] -> per-head RMS-normalised (no weight) and RoPE'd q, same dtype."""
+    if low_precision_stat:  # DeepSeek computes the statistic in the activation dtype (bf16)
+        q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + eps)
+    else:
+        q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + eps).to(q.dtype)
+    return rope_ref(q, cos, sin)
+
+
+def kv_norm_rope_ref(kv: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                     fp8_nope: int) -> torch.Tensor:
+    """kv [B, S, D] -> kv_norm, RoPE, and (fp8_nope > 0) FP8-simulate the first fp8_nope dims."""
+    kv = rope_ref(rmsnorm_ref(kv, w, eps), cos, sin)
+    if fp8_nope:
+        kv = torch.cat((act_quant_sim_ref(kv[..., :fp8_nope], 64), kv[..., fp8_nope:]), -1)
+    return kv
+
+
+def register_ops(register) -> None:
+    register("rope", rope_ref, doc="interleaved RoPE on the last dims (and its inverse)")
+    register("q_norm_rope", q_norm_rope_ref, doc="per-head RMS of q + RoPE")
+    register("kv_norm_rope", kv_norm_rope_ref, doc="kv_norm + RoPE + FP8 KV simulation")
