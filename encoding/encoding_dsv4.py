@@ -394,14 +394,14 @@ def _read_until(text: str, start: int, stops: tuple[str, ...]) -> tuple[str, int
     return text[start:pos], pos + len(stop), stop
 
 
-def parse_invoke_header(header: str) -> str:
+def _parse_invoke_header(header: str) -> str:
     match = _INVOKE_HEADER_RE.findall(header)
     if len(match) != 1:
         raise ValueError(f"Tool name format error: {header!r}")
     return match[0]
 
 
-def parse_parameter(body: str) -> tuple[str, str, str]:
+def _parse_parameter(body: str) -> tuple[str, str, str]:
     """`body` is the text between "<｜DSML｜parameter" and "/｜DSML｜parameter": (name, string, value)."""
     match = _PARAM_RE.findall(body)
     if len(match) != 1:
@@ -409,7 +409,7 @@ def parse_parameter(body: str) -> tuple[str, str, str]:
     return match[0]
 
 
-def expect_gap(gap: str) -> None:
+def _expect_gap(gap: str) -> None:
     if gap != ">\n":
         raise ValueError(f"Tool call format error: expected '>\\n' but got {gap!r}")
 
@@ -426,33 +426,32 @@ def _parse_tool_block(text: str, pos: int) -> tuple[list[dict], int]:
     calls = []
     while pos < len(text):
         gap, pos, stop = _read_until(text, pos, (INVOKE_START, TOOL_CALLS_END))
-        expect_gap(gap)
+        _expect_gap(gap)
         if stop == TOOL_CALLS_END:
             break
         if stop is None:
             raise ValueError("Missing special token in tool calls")
         header, pos, stop = _read_until(text, pos, (PARAM_START, INVOKE_END))
-        name = parse_invoke_header(header)
+        name = _parse_invoke_header(header)
         params: dict[str, tuple[str, str]] = {}
         while stop == PARAM_START:
             body, pos, stop = _read_until(text, pos, (PARAM_END,))
-            key, is_str, value = parse_parameter(body)
+            key, is_str, value = _parse_parameter(body)
             if key in params:
                 raise ValueError(f"Duplicate parameter name: {key!r}")
             params[key] = (value, is_str)
             gap, pos, stop = _read_until(text, pos, (PARAM_START, INVOKE_END))
-            expect_gap(gap)
+            _expect_gap(gap)
         calls.append(make_tool_call(name, params))
     return calls, pos
 
 
-def parse_message_from_completion_text(text: str, thinking_mode: str, tools: list[dict] | None = None,
-                                       strict: bool = True) -> dict:
-    """Parse one generated assistant turn (text after the prompt, INCLUDING the final EOS).
+def parse_official_completion(text: str, thinking_mode: str) -> dict:
+    """DeepSeek's official parser: one generated assistant turn (INCLUDING the final EOS).
 
     Returns {"role", "content", "reasoning_content", "tool_calls"} with OpenAI-format calls (no id).
-    Like the official parser it accepts well-formed output only: AssertionError for a missing
-    `</think>`/EOS or stray control strings, ValueError for malformed DSML.
+    Accepts well-formed output only: AssertionError for a missing `</think>`/EOS or stray control
+    strings, ValueError for malformed DSML (ENCODING.md §4).
     """
     _check(thinking_mode in ("chat", "thinking"), f"Invalid thinking_mode `{thinking_mode}`")
     reasoning, pos = "", 0
@@ -472,5 +471,21 @@ def parse_message_from_completion_text(text: str, thinking_mode: str, tools: lis
 
     for token in (BOS, EOS, THINK_START, THINK_END, DSML):
         _check(token not in content and token not in reasoning, f"Unexpected special token '{token}' in content")
-    return {"role": "assistant", "content": content, "reasoning_content": reasoning, "tool_calls": tool_calls,
-            "unparsed": []}
+    return {"role": "assistant", "content": content, "reasoning_content": reasoning, "tool_calls": tool_calls}
+
+
+def parse_message_from_completion_text(text: str, thinking_mode: str, tools: list[dict] | None = None,
+                                       strict: bool = True) -> dict:
+    """Parse one generated assistant turn (text after the prompt, including the final EOS).
+
+    Returns {"role", "content", "reasoning_content", "tool_calls", "unparsed"}: what
+    `StreamingParser(thinking_mode, tools)` streams for this text, with `unparsed` the raw text
+    that is none of the others. strict=True raises exactly where DeepSeek's official parser does
+    (without tools the result then equals the official one); strict=False recovers and never raises on model
+    text. `tools` (declared tool schemas) enables the drift recovery of ENCODING.md §6.5.
+    """
+    from .streaming import StreamingParser  # deferred: the streaming parser builds on this module
+
+    parser = StreamingParser(thinking_mode, tools)
+    parser.feed(text)
+    return parser.finish(strict=strict)

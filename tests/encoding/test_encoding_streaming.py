@@ -1,33 +1,39 @@
 """Streaming parser and incremental detokenizer.
 
 The streaming parser is replayed on every parse vector (and on encoder-rendered assistant turns)
-split at random token and character boundaries; the streamed deltas must add up to the
-non-streaming result and never show DSML or control-token fragments as content. The incremental
-decoder must reproduce the full decode of multi-byte text without ever emitting U+FFFD.
+split at random token and character boundaries; the streamed deltas must add up to the one-shot
+result, which equals the official parser on well-formed output and recovers (reporting what it
+cannot place in `unparsed`) on the error vectors. The incremental decoder must reproduce the full
+decode of multi-byte text without ever emitting U+FFFD.
 """
 
 import json
 import random
 
 import pytest
+from stream_replay import all_splits, replay
 
 from encoding import (
     EOS, IncrementalDecoder, StreamingParser, encode_messages, parse_message_from_completion_text,
 )
 
 SEEDS = range(50)
-FORBIDDEN_IN_CONTENT = ("｜DSML｜", "<｜")
+ERRORS = {"AssertionError": AssertionError, "ValueError": ValueError}
 
 
-def _stream(pieces, thinking_mode):
-    """Feed `pieces`; return (parser, reasoning deltas, content deltas, streamed tool calls)."""
-    parser = StreamingParser(thinking_mode)
-    reasoning, content, calls = [], [], []
-    for delta in [parser.feed(piece) for piece in pieces] + [parser.flush()]:
-        reasoning.append(delta.reasoning)
-        content.append(delta.content)
-        calls.extend(delta.tool_calls)
-    return parser, reasoning, content, calls
+def _now(arguments: str = "{}") -> dict:
+    return {"type": "function", "function": {"name": "now", "arguments": arguments}}
+
+
+# What the recovering parser makes of the official error vectors (the official parser raises).
+RECOVERED = {
+    "err_missing_think_end": {"reasoning_content": "reasoning...", "content": "", "tool_calls": [_now()],
+                              "unparsed": []},
+    "err_content_after_calls": {"content": "", "tool_calls": [_now()], "unparsed": ["trailing"]},
+    "err_think_end_in_chat": {"content": "abcdef", "tool_calls": [], "unparsed": ["</think>"]},
+    "err_duplicate_param": {"content": "", "tool_calls": [], "unparsed": "whole completion before EOS"},
+    "err_missing_block_close": {"content": "", "tool_calls": [_now()], "unparsed": []},
+}
 
 
 def _token_pieces(tokenizer, ids, rng):
@@ -41,60 +47,46 @@ def _token_pieces(tokenizer, ids, rng):
     return pieces
 
 
-def _char_pieces(text, rng):
-    cuts = sorted(rng.sample(range(1, len(text)), k=min(len(text) - 1, rng.randint(1, 12))))
-    return [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)], strict=True)]
+def _expected_message(case) -> dict:
+    """The recovering parse of a vector: the official result, or the recovery pinned above."""
+    if "expected_error" not in case:
+        return {**case["expected"], "unparsed": []}
+    recovered = dict(RECOVERED[case["id"]])
+    if recovered["unparsed"] == "whole completion before EOS":
+        recovered["unparsed"] = [case["completion"].removesuffix(EOS)]
+    return recovered
 
 
-def _check_stream(pieces, thinking_mode, expected=None, error=None):
-    parser, reasoning, content, calls = _stream(pieces, thinking_mode)
-    streamed = {"role": "assistant", "content": "".join(content),
-                "reasoning_content": "".join(reasoning), "tool_calls": calls}
-    if error is None:
-        assert streamed == expected
-        assert parser.finish() == {**expected, "unparsed": []}
-        assert parser.done
-    else:
-        with pytest.raises(error):
-            parser.finish()
-        assert {k: v for k, v in parser.finish(strict=False).items() if k != "unparsed"} == streamed
-    for fragment in FORBIDDEN_IN_CONTENT:
-        if expected is None or fragment not in expected["content"]:
-            assert all(fragment not in piece for piece in content), (fragment, content)
-            assert fragment not in streamed["content"]
-    return streamed
-
-
-def _parse_case_expectation(case):
+def _check_vector(case, pieces):
+    expected = _expected_message(case)
+    message = replay(pieces, case["thinking_mode"])
+    assert {key: message[key] for key in expected} == expected
+    parser = StreamingParser(case["thinking_mode"])
+    for piece in pieces:
+        parser.feed(piece)
     if "expected_error" in case:
-        return None, {"AssertionError": AssertionError, "ValueError": ValueError}[case["expected_error"]["type"]]
-    return case["expected"], None
+        with pytest.raises(ERRORS[case["expected_error"]["type"]]):
+            parser.finish()
+    else:
+        assert parser.finish() == message
 
 
 def test_stream_parse_case_token_splits(parse_case, tokenizer):
-    expected, error = _parse_case_expectation(parse_case)
     for seed in SEEDS:
         pieces = _token_pieces(tokenizer, parse_case["completion_token_ids"], random.Random(seed))
         assert "".join(pieces) == parse_case["completion"]
-        _check_stream(pieces, parse_case["thinking_mode"], expected, error)
+        _check_vector(parse_case, pieces)
 
 
 def test_stream_parse_case_char_splits(parse_case):
-    expected, error = _parse_case_expectation(parse_case)
-    text = parse_case["completion"]
-    splits = [list(text), [text]] + [_char_pieces(text, random.Random(seed)) for seed in SEEDS]
-    for pieces in splits:
-        _check_stream(pieces, parse_case["thinking_mode"], expected, error)
+    for pieces in all_splits(parse_case["completion"], SEEDS):
+        _check_vector(parse_case, pieces)
 
 
-def test_stream_recovers_missing_think_end(shared_dsv4):
-    """The DSML opener ends reasoning even without </think> (the official parser raises)."""
-    cases = json.loads((shared_dsv4 / "encoding_vectors" / "parse_cases.json").read_text(encoding="utf-8"))
-    completion = next(c for c in cases if c["id"] == "err_missing_think_end")["completion"]
-    streamed = _check_stream(list(completion), "thinking", error=AssertionError)
-    assert streamed["reasoning_content"] == "reasoning..."
-    assert streamed["content"] == ""
-    assert [c["function"]["name"] for c in streamed["tool_calls"]] == ["now"]
+def test_one_shot_strict_false_recovers_error_vectors(parse_case):
+    got = parse_message_from_completion_text(parse_case["completion"], parse_case["thinking_mode"], strict=False)
+    expected = _expected_message(parse_case)
+    assert {key: got[key] for key in expected} == expected
 
 
 def _assistant_turns(encode_case):
@@ -113,7 +105,7 @@ def test_stream_encoder_roundtrip(encode_case, tokenizer):
     """Rendered assistant turns parse back to the message, whole and streamed token by token."""
     for mode, completion, msg in _assistant_turns(encode_case):
         expected = parse_message_from_completion_text(completion, mode)
-        assert expected.pop("unparsed") == []
+        assert expected["unparsed"] == []
         assert expected["content"] == (msg.get("content") or "")
         if mode == "thinking":
             assert expected["reasoning_content"] == (msg.get("reasoning_content") or "")
@@ -126,27 +118,7 @@ def test_stream_encoder_roundtrip(encode_case, tokenizer):
             assert json.loads(got["function"]["arguments"]) == sent_args
         ids = tokenizer.encode(completion)
         for seed in range(5):
-            _check_stream(_token_pieces(tokenizer, ids, random.Random(seed)), mode, expected)
-
-
-@pytest.mark.parametrize("pieces, mode, content, reasoning, names", [
-    # Blank line missing before the block: still a tool call, DSML never shown.
-    (["Hi\n<", "｜DSML｜", "tool_calls>\n<｜DSML｜invoke name=\"now\">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>", EOS],
-     "chat", "Hi\n", "", ["now"]),
-    # Stray closer in prose is swallowed, not leaked.
-    (["Hello </", "｜DSML｜", "parameter> world", EOS], "chat", "Hello ", "", []),
-    # Truncated generation ending inside a control string.
-    (["r</think>Answer<｜DS"], "thinking", "Answer", "r", []),
-    # Text after the tool block is not content.
-    (["\n\n<｜DSML｜tool_calls>\n</｜DSML｜tool_calls>tail", EOS], "chat", "", "", []),
-])
-def test_stream_drift_never_leaks(pieces, mode, content, reasoning, names):
-    parser, r, c, calls = _stream(pieces, mode)
-    assert "".join(c) == content and "".join(r) == reasoning
-    assert [call["function"]["name"] for call in calls] == names
-    assert all(f not in piece for piece in c for f in FORBIDDEN_IN_CONTENT)
-    with pytest.raises(AssertionError):
-        parser.finish()
+            assert replay(_token_pieces(tokenizer, ids, random.Random(seed)), mode) == expected
 
 
 def test_stream_holds_split_markers():
