@@ -52,7 +52,7 @@ class Tag:
         return self.complete and not self.attrs.strip()
 
 
-def spellings_for(declared: frozenset[str]) -> tuple[str, ...]:
+def spellings_for(declared: dict[str, frozenset[str]]) -> tuple[str, ...]:
     """Marker spellings to recognise: the ASCII one only when tools were declared."""
     return (DSML, ASCII_DSML) if declared else (DSML,)
 
@@ -110,13 +110,16 @@ def parameter_attrs(tag: Tag) -> tuple[str, str] | None:
     return (match[1], match[2]) if match else None
 
 
-def declared_tool_names(tools: list[dict] | None) -> frozenset[str]:
-    """Names of OpenAI tool schemas (`{"type": "function", "function": {"name": ...}}`) or bare
+def declared_tools(tools: list[dict] | None) -> dict[str, frozenset[str]]:
+    """Declared tool name -> its required parameter names, from OpenAI tool schemas
+    (`{"type": "function", "function": {"name": ..., "parameters": {"required": [...]}}}`) or bare
     `{"name": ...}` dicts; entries without a string name are ignored."""
-    names = set()
+    declared = {}
     for tool in tools or ():
         spec = tool.get("function", tool) if isinstance(tool, dict) else None
         name = spec.get("name") if isinstance(spec, dict) else None
         if isinstance(name, str) and name:
-            names.add(name)
-    return frozenset(names)
+            params = spec.get("parameters")
+            required = params.get("required") if isinstance(params, dict) else None
+            declared[name] = frozenset(r for r in required or () if isinstance(r, str))
+    return declared

@@ -27,9 +27,10 @@ API (shared with the engine and the CLI):
 Grammar beyond the official one (deltas and strict=False; ENCODING.md §6.2, §6.5):
 - `<｜DSML｜tool_calls>` opens a block wherever it appears, with up to two newlines before it that
   belong to it; in thinking mode it ends reasoning. Whitespace between DSML tags is free.
-- With declared tools: a bare `<｜DSML｜invoke name="X">` of a declared X that closes is a call;
-  so is an invoke of a declared tool after a wrapper tag with another name; `<|DSML|` = `<｜DSML｜`.
-  Recovered calls end reasoning and content: text after the calls is reported, not shown.
+- With declared tools: a bare `<｜DSML｜invoke name="X">` of a declared X that closes and carries
+  X's required parameters is a call; so is such an invoke after a wrapper tag with another name;
+  `<|DSML|` counts as `<｜DSML｜`. Without tools none of this applies (official blocks still parse).
+- Calls end reasoning and content: text after them is reported, not shown.
 - Content and reasoning never carry `｜DSML｜`, BOS, EOS, `<think>` or a `</think>` that does not
   end reasoning: such text, malformed blocks and text after the calls go to `unparsed`.
 """
@@ -98,6 +99,7 @@ class _Invoke:
     start: int
     name: str
     bare: bool
+    drift: bool  # bare or in a drift block: a call only for a declared tool with its required args
     is_call: bool  # False: an undeclared bare invoke, read only to report it whole
     index: int
     params: dict[str, tuple[str, str]] = field(default_factory=dict)
@@ -137,7 +139,7 @@ class StreamingParser:
             raise AssertionError(f"Invalid thinking_mode `{thinking_mode}`")
         self.thinking_mode = thinking_mode
         self.tools = tools
-        self._declared = dsml.declared_tool_names(tools)
+        self._declared = dsml.declared_tools(tools)  # name -> required parameters
         self._spellings = dsml.spellings_for(self._declared)
         self._text_stops = (EOS, BOS, THINK_START, THINK_END, DSML) + tuple(
             f"{newlines}{opener}{sp}" for sp in self._spellings for opener in ("</", "<")
@@ -306,7 +308,7 @@ class StreamingParser:
         self._state = "text"
         name = dsml.invoke_name(tag)
         if name is not None:
-            self._start_invoke(start, name, bare=True, out=out)
+            self._start_invoke(start, name, bare=True, drift=True, out=out)
         elif tag.bare and not tag.closing and tag.name == "tool_calls":
             self._block = _Block(start, drift=tag.spelling != DSML)
             self._state = "block"
@@ -331,7 +333,7 @@ class StreamingParser:
             start = self._base
             self._take(tag.size)
             self._commit_block()
-            self._start_invoke(start, name, bare=False, out=out)
+            self._start_invoke(start, name, bare=False, drift=block.drift, out=out)
             return True
         if tag is not None and tag.bare and tag.closing and self._closes_block(tag):
             if block.committed or not block.drift:
@@ -382,9 +384,10 @@ class StreamingParser:
 
     # -- invoke --------------------------------------------------------------------------------------
 
-    def _start_invoke(self, start: int, name: str, bare: bool, out: StreamDelta) -> None:
-        is_call = not bare or name in self._declared
-        self._invoke = _Invoke(start, name, bare, is_call, index=len(self._tool_calls) + len(out.tool_calls))
+    def _start_invoke(self, start: int, name: str, bare: bool, drift: bool, out: StreamDelta) -> None:
+        is_call = not drift or name in self._declared
+        index = len(self._tool_calls) + len(out.tool_calls)
+        self._invoke = _Invoke(start, name, bare, drift, is_call, index)
         if is_call:
             out.tool_call_deltas.append(ToolCallDelta(self._invoke.index, name=name))
         self._state = "invoke"
@@ -444,9 +447,16 @@ class StreamingParser:
 
     def _close_invoke(self, out: StreamDelta) -> bool:
         invoke, self._invoke = self._invoke, None
-        if not invoke.is_call:  # a well-formed invoke of an undeclared tool: shown to no one
+        if not invoke.is_call or (invoke.drift and self._declared[invoke.name] - invoke.params.keys()):
+            # Not a call: an undeclared tool, or a recovered one lacking required arguments.
+            if invoke.is_call:
+                out.tool_call_deltas.append(ToolCallDelta(invoke.index, dropped=True))
             self._report(invoke.start)
-            self._state = "text"
+            if invoke.bare:
+                self._state = "text"
+            else:
+                self._block.failed = True
+                self._state = "block"
             return True
         self._arguments(invoke, "}" if invoke.params else "{}", out)
         out.tool_calls.append(make_tool_call(invoke.name, invoke.params))

@@ -10,7 +10,8 @@ import random
 
 from encoding import StreamingParser, parse_message_from_completion_text
 
-CONTROL_STRINGS = ("｜DSML｜", "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<think>", "</think>")
+CONTROL_STRINGS = ("｜DSML｜", "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>",
+                   "<think>", "</think>")
 
 
 def random_pieces(text: str, seed: int, longest: int = 8) -> list[str]:

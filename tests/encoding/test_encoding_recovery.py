@@ -18,9 +18,9 @@ A = "|DSML|"  # the ASCII drift spelling
 EOS = "<｜end▁of▁sentence｜>"
 OPENER = f"<{D}tool_calls>"
 CLOSER = f"</{D}tool_calls>"
+LS_SCHEMA = {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}
 TOOLS = [
-    {"type": "function", "function": {"name": "ls", "description": "Run a shell command",
-                                      "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}}},
+    {"type": "function", "function": {"name": "ls", "description": "Run a command", "parameters": LS_SCHEMA}},
     {"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}},
 ]
 
@@ -33,7 +33,14 @@ def invoke(name: str, params=(("command", "true", "pwd"),), dsml: str = D, sep: 
 
 
 def call(name: str, arguments: dict) -> dict:
-    return {"type": "function", "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+    arguments = json.dumps(arguments, ensure_ascii=False)
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def want(**fields) -> dict:
+    """Expected message fields; `reasoning` and `calls` stand for the long key names."""
+    names = {"reasoning": "reasoning_content", "calls": "tool_calls"}
+    return {names.get(key, key): value for key, value in fields.items()}
 
 
 LS = invoke("ls")
@@ -48,26 +55,24 @@ LS_CALL = call("ls", {"command": "pwd"})
 @pytest.mark.parametrize("tools", [None, TOOLS])
 def test_opener_ends_reasoning(before, sep, eos, tools):
     text = "reasoning" + before + OPENER + sep + invoke("ls", sep=sep) + sep + CLOSER + eos
-    check_all_splits(text, "thinking", tools, expected={
-        "reasoning_content": "reasoning", "content": "", "tool_calls": [LS_CALL], "unparsed": []})
+    expected = want(reasoning="reasoning", content="", calls=[LS_CALL], unparsed=[])
+    check_all_splits(text, "thinking", tools, expected)
 
 
 def test_opener_without_newlines_between_tags():
     params = (("query", "true", "dsv4 parser"), ("limit", "false", "5"))
     text = "reasoning" + OPENER + invoke("search", params, sep="") + CLOSER
-    check_all_splits(text, "thinking", expected={
-        "reasoning_content": "reasoning", "tool_calls": [call("search", {"query": "dsv4 parser", "limit": 5})],
-        "unparsed": []})
+    search = call("search", {"query": "dsv4 parser", "limit": 5})
+    check_all_splits(text, "thinking", None, want(reasoning="reasoning", calls=[search], unparsed=[]))
 
 
 def test_opener_split_across_deltas_then_output_ends():
     parser = StreamingParser("thinking")
     deltas = [parser.feed(p) for p in ["thinking ", f"<{D}tool", "_calls>"]] + [parser.flush()]
     assert [d.reasoning for d in deltas] == ["thinking ", "", "", ""]
-    assert parser.finish(strict=False) == {"role": "assistant", "reasoning_content": "thinking ", "content": "",
-                                           "tool_calls": [], "unparsed": [OPENER]}
-    check_all_splits("thinking " + OPENER, "thinking", expected={"reasoning_content": "thinking ",
-                                                                 "unparsed": [OPENER]})
+    expected = want(role="assistant", reasoning="thinking ", content="", calls=[], unparsed=[OPENER])
+    assert parser.finish(strict=False) == expected
+    check_all_splits("thinking " + OPENER, "thinking", None, expected)
 
 
 @pytest.mark.parametrize("before", ["", "\n", "\n\n"])
@@ -82,29 +87,28 @@ def test_held_back_opener_prefix_never_reaches_reasoning(before):
 
 def test_opener_in_content_owns_one_newline_too():
     text = "Hi\n" + OPENER + "\n" + LS + "\n" + CLOSER + EOS
-    check_all_splits(text, "chat", expected={"content": "Hi", "tool_calls": [LS_CALL], "unparsed": []})
+    check_all_splits(text, "chat", None, want(content="Hi", calls=[LS_CALL], unparsed=[]))
 
 
 # -- 2. declared-tool drift (ENCODING.md §6.5), and only that -------------------------------------
 
-@pytest.mark.parametrize("mode, field", [("chat", "content"), ("thinking", "reasoning_content")])
-def test_bare_invoke_of_declared_tool(mode, field):
+@pytest.mark.parametrize("mode, shown", [("chat", "content"), ("thinking", "reasoning")])
+def test_bare_invoke_of_declared_tool(mode, shown):
     text = "Let me look.\n\n" + LS + EOS
-    check_all_splits(text, mode, TOOLS, expected={field: "Let me look.", "tool_calls": [LS_CALL], "unparsed": []})
+    check_all_splits(text, mode, TOOLS, want(**{shown: "Let me look."}, calls=[LS_CALL], unparsed=[]))
 
 
 def test_consecutive_bare_invokes():
-    search = invoke("search", (("query", "true", "x"),))
-    text = "Both.\n" + LS + "\n" + search + EOS
-    check_all_splits(text, "chat", TOOLS, expected={
-        "content": "Both.", "tool_calls": [LS_CALL, call("search", {"query": "x"})], "unparsed": []})
+    text = "Both.\n" + LS + "\n" + invoke("search", (("query", "true", "x"),)) + EOS
+    calls = [LS_CALL, call("search", {"query": "x"})]
+    check_all_splits(text, "chat", TOOLS, want(content="Both.", calls=calls, unparsed=[]))
 
 
 @pytest.mark.parametrize("wrapper, closer", [
     ("tool_call", "tool_call"), ("function_calls", "function_calls"), ("tool_calls_begin", "tool_calls")])
 def test_corrupted_wrapper_before_declared_invoke(wrapper, closer):
     text = f"Run:\n\n<{D}{wrapper}>\n{LS}\n</{D}{closer}>{EOS}"
-    check_all_splits(text, "chat", TOOLS, expected={"content": "Run:", "tool_calls": [LS_CALL], "unparsed": []})
+    check_all_splits(text, "chat", TOOLS, want(content="Run:", calls=[LS_CALL], unparsed=[]))
 
 
 @pytest.mark.parametrize("text", [
@@ -113,12 +117,12 @@ def test_corrupted_wrapper_before_declared_invoke(wrapper, closer):
     f"\n\n<{A}tool_calls>\n{LS}\n</{D}tool_calls>{EOS}",  # mixed spellings
 ])
 def test_ascii_spelling(text):
-    check_all_splits(text, "chat", TOOLS, expected={"content": "", "tool_calls": [LS_CALL], "unparsed": []})
+    check_all_splits(text, "chat", TOOLS, want(content="", calls=[LS_CALL], unparsed=[]))
 
 
 def test_ascii_spelling_is_content_without_tools():
     text = f"\n\n<{A}tool_calls>\n{invoke('ls', dsml=A)}\n</{A}tool_calls>{EOS}"
-    check_all_splits(text, "chat", None, expected={"content": text[:-len(EOS)], "tool_calls": [], "unparsed": []})
+    check_all_splits(text, "chat", None, want(content=text.removesuffix(EOS), calls=[], unparsed=[]))
 
 
 def test_tools_accept_bare_name_dicts():
@@ -127,59 +131,69 @@ def test_tools_accept_bare_name_dicts():
 
 
 def test_text_after_recovered_call_is_reported():
-    check_all_splits(LS + "\nDone." + EOS, "chat", TOOLS, expected={
-        "content": "", "tool_calls": [LS_CALL], "unparsed": ["\nDone."]})
+    expected = want(content="", calls=[LS_CALL], unparsed=["\nDone."])
+    check_all_splits(LS + "\nDone." + EOS, "chat", TOOLS, expected)
 
 
 # -- negative cases: not calls, and never shown as text ---------------------------------------------
 
-@pytest.mark.parametrize("mode, field", [("chat", "content"), ("thinking", "reasoning_content")])
-def test_prose_quoting_an_invoke_is_not_a_call(mode, field):
+@pytest.mark.parametrize("mode, shown", [("chat", "content"), ("thinking", "reasoning")])
+def test_prose_quoting_an_invoke_is_not_a_call(mode, shown):
     tag = f'<{D}invoke name="ls">'
     text = f"To list files I would write {tag} followed by parameters.{EOS}"
-    check_all_splits(text, mode, TOOLS, expected={
-        field: "To list files I would write  followed by parameters.", "tool_calls": [], "unparsed": [tag]})
+    prose = "To list files I would write  followed by parameters."
+    check_all_splits(text, mode, TOOLS, want(**{shown: prose}, calls=[], unparsed=[tag]))
 
 
 def test_prose_quoting_the_opener_is_not_a_block():
     text = f"A block starts with {OPENER} and ends with {CLOSER}.{EOS}"
-    check_all_splits(text, "chat", None, expected={
-        "content": "A block starts with  and ends with .", "tool_calls": [], "unparsed": [OPENER, CLOSER]})
+    prose = "A block starts with  and ends with ."
+    check_all_splits(text, "chat", None, want(content=prose, calls=[], unparsed=[OPENER, CLOSER]))
 
 
 @pytest.mark.parametrize("tools", [TOOLS, None, []])
 def test_bare_invoke_of_undeclared_tool_is_not_a_call(tools):
     rm = invoke("rm", (("path", "true", "/"),))
     text = "Sure.\n" + rm + "\nDone." + EOS
-    check_all_splits(text, "chat", tools, expected={
-        "content": "Sure.\nDone.", "tool_calls": [], "unparsed": ["\n" + rm]})
+    check_all_splits(text, "chat", tools, want(content="Sure.\nDone.", calls=[], unparsed=["\n" + rm]))
 
 
 def test_undeclared_invoke_in_drift_wrapper_is_not_a_call():
-    rm = invoke("rm", (("path", "true", "/"),))
-    text = f"<{D}tool_call>\n{rm}\n</{D}tool_call>{EOS}"
-    check_all_splits(text, "chat", TOOLS, expected={"content": "", "tool_calls": [], "unparsed": [text[:-len(EOS)]]})
+    block = f"<{D}tool_call>\n{invoke('rm', (('path', 'true', '/'),))}\n</{D}tool_call>"
+    check_all_splits(block + EOS, "chat", TOOLS, want(content="", calls=[], unparsed=[block]))
 
 
 def test_corrupted_wrapper_without_tools_is_not_a_call():
-    text = f"Run:\n<{D}tool_call>\n{LS}\n</{D}tool_call>{EOS}"
-    check_all_splits(text, "chat", None, expected={
-        "content": "Run:", "tool_calls": [], "unparsed": [text[len("Run:"):-len(EOS)]]})
+    block = f"\n<{D}tool_call>\n{LS}\n</{D}tool_call>"
+    check_all_splits("Run:" + block + EOS, "chat", None, want(content="Run:", calls=[], unparsed=[block]))
+
+
+def test_recovered_invoke_needs_the_required_arguments():
+    bare = invoke("ls", params=())
+    expected = want(content="Run:", calls=[], unparsed=["\n" + bare])
+    check_all_splits(f"Run:\n{bare}{EOS}", "chat", TOOLS, expected)
+    wrapped = f"<{D}tool_call>\n{bare}\n</{D}tool_call>"
+    check_all_splits(wrapped + EOS, "chat", TOOLS, want(calls=[], unparsed=[wrapped]))
+    # Inside an official block the official grammar decides: the schema is the caller's business.
+    official = f"\n\n{OPENER}\n{bare}\n{CLOSER}{EOS}"
+    check_all_splits(official, "chat", TOOLS, want(calls=[call("ls", {})], unparsed=[]))
 
 
 @pytest.mark.parametrize("tail, content", [("", "Run:"), ("\nDone.", "Run:\nDone.")])
 def test_unclosed_bare_invoke_is_not_a_call(tail, content):
     header = f'\n<{D}invoke name="ls">\n<{D}parameter name="command" string="true">pwd</{D}parameter>'
-    text = "Run:" + header + tail + EOS
-    check_all_splits(text, "chat", TOOLS, expected={"content": content, "tool_calls": [], "unparsed": [header]})
+    expected = want(content=content, calls=[], unparsed=[header])
+    check_all_splits("Run:" + header + tail + EOS, "chat", TOOLS, expected)
 
 
 def test_unclosed_invoke_streams_then_drops_its_call():
     parser = StreamingParser("chat", TOOLS)
     started = parser.feed(f'Run:\n<{D}invoke name="ls">\n<{D}parameter name="command" string="true">p')
     assert started.content == "Run:"
-    assert started.tool_call_deltas == [ToolCallDelta(0, name="ls"), ToolCallDelta(0, arguments='{"command": "'),
-                                        ToolCallDelta(0, arguments="p")]
+    assert started.tool_call_deltas == [
+        ToolCallDelta(0, name="ls"), ToolCallDelta(0, arguments='{"command": "'),
+        ToolCallDelta(0, arguments="p"),
+    ]
     end = parser.feed(EOS)
     assert end.tool_call_deltas == [ToolCallDelta(0, dropped=True)] and end.tool_calls == []
 
@@ -187,8 +201,7 @@ def test_unclosed_invoke_streams_then_drops_its_call():
 def test_dropped_call_index_is_reused():
     broken = f'<{D}invoke name="ls">\n<{D}parameter name="command" string="true">x</{D}parameter>'
     text = f'{broken}\n<{D}invoke name="search">\n</{D}invoke>{EOS}'
-    check_all_splits(text, "chat", TOOLS, expected={
-        "content": "", "tool_calls": [call("search", {})], "unparsed": [broken]})
+    check_all_splits(text, "chat", TOOLS, want(content="", calls=[call("search", {})], unparsed=[broken]))
     events = StreamingParser("chat", TOOLS).feed(text).tool_call_deltas
     assert [(e.index, e.name, e.dropped) for e in events if e.name or e.dropped] == [
         (0, "ls", False), (0, "", True), (0, "search", False)]
@@ -198,47 +211,46 @@ def test_dropped_call_index_is_reused():
 
 @pytest.mark.parametrize("text, mode, expected", [
     # The output ends on a marker prefix: reported, not content.
-    ("Answer<｜DS", "chat", {"content": "Answer", "unparsed": ["<｜DS"]}),
-    (f"r</think>Answer\n\n<{D}tool", "thinking", {"reasoning_content": "r", "content": "Answer",
-                                                 "unparsed": [f"\n\n<{D}tool"]}),
-    ("Answer <", "chat", {"content": "Answer <", "unparsed": []}),  # not a control-string prefix
+    ("Answer<｜DS", "chat", want(content="Answer", unparsed=["<｜DS"])),
+    (f"r</think>Answer\n\n<{D}tool", "thinking",
+     want(reasoning="r", content="Answer", unparsed=[f"\n\n<{D}tool"])),
+    ("Answer <", "chat", want(content="Answer <", unparsed=[])),  # not a control-string prefix
     # Stray DSML and control strings in text.
-    (f"Hello </{D}parameter> world{EOS}", "chat", {"content": "Hello  world", "unparsed": [f"</{D}parameter>"]}),
-    (f"abc</think>def{EOS}", "chat", {"content": "abcdef", "unparsed": ["</think>"]}),
-    (f"r</think>a<think>b{EOS}", "thinking", {"reasoning_content": "r", "content": "ab", "unparsed": ["<think>"]}),
-    (f"a {D} b{EOS}", "chat", {"content": "a  b", "unparsed": [D]}),
+    (f"Hello </{D}parameter> world{EOS}", "chat",
+     want(content="Hello  world", unparsed=[f"</{D}parameter>"])),
+    (f"abc</think>def{EOS}", "chat", want(content="abcdef", unparsed=["</think>"])),
+    (f"r</think>a<think>b{EOS}", "thinking", want(reasoning="r", content="ab", unparsed=["<think>"])),
+    (f"a {D} b{EOS}", "chat", want(content="a  b", unparsed=[D])),
     # Text after the block, after EOS; whitespace alone is not worth a report.
-    (f"\n\n{OPENER}\n{LS}\n{CLOSER}trailing{EOS}", "chat", {"tool_calls": [LS_CALL], "unparsed": ["trailing"]}),
-    (f"\n\n{OPENER}\n{LS}\n{CLOSER}\n{EOS}", "chat", {"tool_calls": [LS_CALL], "unparsed": []}),
-    (f"Hi{EOS}more", "chat", {"content": "Hi", "unparsed": ["more"]}),
+    (f"\n\n{OPENER}\n{LS}\n{CLOSER}trailing{EOS}", "chat", want(calls=[LS_CALL], unparsed=["trailing"])),
+    (f"\n\n{OPENER}\n{LS}\n{CLOSER}\n{EOS}", "chat", want(calls=[LS_CALL], unparsed=[])),
+    (f"Hi{EOS}more", "chat", want(content="Hi", unparsed=["more"])),
     # An empty block is well-formed.
-    (f"Hi\n\n{OPENER}\n{CLOSER}{EOS}", "chat", {"content": "Hi", "tool_calls": [], "unparsed": []}),
+    (f"Hi\n\n{OPENER}\n{CLOSER}{EOS}", "chat", want(content="Hi", calls=[], unparsed=[])),
 ])
 def test_unparsed_text_is_reported(text, mode, expected):
-    check_all_splits(text, mode, None, expected=expected)
+    check_all_splits(text, mode, None, expected)
 
 
 def test_malformed_block_is_reported_whole():
-    dup = (("a", "true", "1"), ("a", "true", "2"))
-    block = f"\n\n{OPENER}\n{invoke('calc', dup)}\n{CLOSER}"
-    check_all_splits(block + EOS, "chat", None, expected={"content": "", "tool_calls": [], "unparsed": [block]})
+    block = f"\n\n{OPENER}\n{invoke('calc', (('a', 'true', '1'), ('a', 'true', '2')))}\n{CLOSER}"
+    check_all_splits(block + EOS, "chat", None, want(content="", calls=[], unparsed=[block]))
 
 
 def test_broken_invoke_beside_a_good_one():
     broken = f'<{D}invoke name="calc">\n<{D}parameter name="x">1</{D}parameter>\n</{D}invoke>\n'
     text = f"\n\n{OPENER}\n{LS}\n{broken}{CLOSER}{EOS}"
-    check_all_splits(text, "chat", None, expected={"tool_calls": [LS_CALL], "unparsed": [broken]})
+    check_all_splits(text, "chat", None, want(calls=[LS_CALL], unparsed=[broken]))
 
 
 def test_prose_inside_a_block_is_reported():
     text = f"\n\n{OPENER}\n{LS}\nI called ls.\n{CLOSER}{EOS}"
-    check_all_splits(text, "chat", None, expected={"tool_calls": [LS_CALL], "unparsed": ["\nI called ls.\n"]})
+    check_all_splits(text, "chat", None, want(calls=[LS_CALL], unparsed=["\nI called ls.\n"]))
 
 
 def test_truncated_block_keeps_closed_calls():
-    text = f"\n\n{OPENER}\n{LS}\n<{D}invoke name=\"search\">\n<{D}parameter name=\"query\" string=\"true\">dee"
-    check_all_splits(text, "chat", None, expected={
-        "tool_calls": [LS_CALL], "unparsed": [f"<{D}invoke name=\"search\">\n<{D}parameter name=\"query\" string=\"true\">dee"]})
+    cut = f'<{D}invoke name="search">\n<{D}parameter name="query" string="true">dee'
+    check_all_splits(f"\n\n{OPENER}\n{LS}\n{cut}", "chat", None, want(calls=[LS_CALL], unparsed=[cut]))
 
 
 # -- 4. streamed tool calls (§6.7) ----------------------------------------------------------------------
@@ -277,7 +289,7 @@ def test_value_never_streams_a_closer_prefix():
 def test_parallel_calls_stream_in_order():
     search = invoke("search", (("query", "true", 'say "hi"\\ ok'), ("n", "false", "3")))
     text = f"\n\n{OPENER}\n{LS}\n{search}\n{CLOSER}{EOS}"
-    message = check_all_splits(text, "chat", None, expected={"unparsed": []})
+    message = check_all_splits(text, "chat", None, want(unparsed=[]))
     assert message["tool_calls"] == [LS_CALL, call("search", {"query": 'say "hi"\\ ok', "n": 3})]
     events = StreamingParser("chat").feed(text).tool_call_deltas
     assert [(e.index, e.name) for e in events if e.name] == [(0, "ls"), (1, "search")]
@@ -309,14 +321,15 @@ def test_strict_raises_official_errors_strict_false_recovers():
 
 def test_strict_with_tools_on_well_formed_output():
     text = "r</think>Hi\n\n" + OPENER + "\n" + LS + "\n" + CLOSER + EOS
-    assert parse_message_from_completion_text(text, "thinking", TOOLS) == {
-        "role": "assistant", "reasoning_content": "r", "content": "Hi", "tool_calls": [LS_CALL], "unparsed": []}
+    assert parse_message_from_completion_text(text, "thinking", TOOLS) == want(
+        role="assistant", reasoning="r", content="Hi", calls=[LS_CALL], unparsed=[])
 
 
 def test_streaming_equals_one_shot_on_random_documents():
     """Random mixes of prose, newlines, DSML tags (well-formed, drifted, broken) and control strings."""
     parts = ["text ", "more prose. ", "\n", "\n\n", "<", "｜", OPENER, CLOSER, f"<{A}tool_calls>",
-             f'<{D}invoke name="ls">', f'<{D}invoke name="rm">', f'<{A}invoke name="search">', f"</{D}invoke>",
+             f'<{D}invoke name="ls">', f'<{D}invoke name="rm">', f'<{A}invoke name="search">',
+             f"</{D}invoke>",
              f'<{D}parameter name="command" string="true">', f'<{D}parameter name="n" string="false">',
              f"</{D}parameter>", f"<{D}tool_call>", f"</{D}tool_call>", D, LS, "</think>", "<think>", EOS,
              'va"lue\\', "[1, 2]"]

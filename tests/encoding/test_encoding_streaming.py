@@ -84,7 +84,8 @@ def test_stream_parse_case_char_splits(parse_case):
 
 
 def test_one_shot_strict_false_recovers_error_vectors(parse_case):
-    got = parse_message_from_completion_text(parse_case["completion"], parse_case["thinking_mode"], strict=False)
+    completion, mode = parse_case["completion"], parse_case["thinking_mode"]
+    got = parse_message_from_completion_text(completion, mode, strict=False)
     expected = _expected_message(parse_case)
     assert {key: got[key] for key in expected} == expected
 
