@@ -15,18 +15,21 @@ API (shared with the engine and the CLI):
   `{"name": ...}` dicts; their names enable the drift recovery of ENCODING.md §6.5.
 - `message` = {"role", "content", "reasoning_content", "tool_calls", "unparsed"}; `unparsed` lists
   the raw model text that is neither reasoning, content nor a parsed call (malformed DSML, text
-  after the tool calls, a marker prefix left at the end); it is [] for well-formed output.
+  after the tool calls, a marker prefix left at the end), one entry per contiguous stretch;
+  whitespace-only stretches are left out; it is [] for well-formed output.
 - `ToolCallDelta(index, name="", arguments="", dropped=False)`: `name` arrives once, when the
   invoke header completes; `arguments` fragments arrive per parameter as values stream (string
   values JSON-escaped incrementally) and concatenate to the call's final `arguments` string;
   `dropped=True` retracts a started call that did not complete (the index is then reused).
 - `parse_message_from_completion_text(text, thinking_mode, tools=None, strict=True)` is the
-  one-shot equivalent: strict=True raises where DeepSeek's official parser does, strict=False
-  returns exactly what this parser's `finish(strict=False)` returns for any split of `text`.
+  one-shot equivalent: strict=True raises where DeepSeek's official parser does (and, without
+  tools, then returns the official result), strict=False returns exactly what this parser's
+  `finish(strict=False)` returns for any split of `text`. `finish(strict=True)` is the same check.
 
 Grammar beyond the official one (deltas and strict=False; ENCODING.md §6.2, §6.5):
 - `<｜DSML｜tool_calls>` opens a block wherever it appears, with up to two newlines before it that
-  belong to it; in thinking mode it ends reasoning. Whitespace between DSML tags is free.
+  belong to it, once a DSML tag follows it (followed by prose it is a mention, reported); in
+  thinking mode it ends reasoning. Whitespace between DSML tags is free.
 - With declared tools: a bare `<｜DSML｜invoke name="X">` of a declared X that closes and carries
   X's required parameters is a call; so is such an invoke after a wrapper tag with another name;
   `<|DSML|` counts as `<｜DSML｜`. Without tools none of this applies (official blocks still parse).
@@ -474,19 +477,20 @@ class StreamingParser:
         if invoke.is_call:
             out.tool_call_deltas.append(ToolCallDelta(invoke.index, dropped=True))
         self._report(invoke.start)
+        if not invoke.bare:
+            self._block.failed = True
         if tag is not None and self._starts_next(tag):
             # The invoke never closed but the next one (or the block's end) begins here.
             self._state = "text" if invoke.bare else "block"
-            return True
-        if tag is not None:  # a DSML tag that does not fit: it belongs to the broken invoke
-            self._report_take(gap + tag.size)
-        if not invoke.bare:
-            self._block.failed = True
+        elif not invoke.bare:
+            if tag is not None:  # a DSML tag that does not fit belongs to the broken invoke
+                self._report_take(gap + tag.size)
             self._state = "skip"
+        elif tag is None:
+            self._state = "text"  # plain text where DSML should follow: prose quoting a tag
         else:
-            # Plain text where DSML should follow: prose quoting a tag, so the text resumes.
-            # Broken DSML inside the invoke: its remainder is reported up to its end.
-            self._state = "text" if tag is None else "bare_skip"
+            self._report_take(gap + tag.size)
+            self._state = "bare_skip"  # broken DSML inside: report the invoke up to its end
         return True
 
     @staticmethod

@@ -248,6 +248,12 @@ def test_prose_inside_a_block_is_reported():
     check_all_splits(text, "chat", None, want(calls=[LS_CALL], unparsed=["\nI called ls.\n"]))
 
 
+def test_block_whose_only_invoke_never_closes_is_reported_whole():
+    unclosed = f'<{D}invoke name="ls">\n<{D}parameter name="command" string="true">pwd</{D}parameter>'
+    block = f"\n\n{OPENER}\n{unclosed}\n{CLOSER}"
+    check_all_splits(block + EOS, "chat", None, want(content="", calls=[], unparsed=[block]))
+
+
 def test_truncated_block_keeps_closed_calls():
     cut = f'<{D}invoke name="search">\n<{D}parameter name="query" string="true">dee'
     check_all_splits(f"\n\n{OPENER}\n{LS}\n{cut}", "chat", None, want(calls=[LS_CALL], unparsed=[cut]))
