@@ -35,7 +35,7 @@ def layer_read_bytes(layer) -> int:
     experts = layer.ffn.experts
     k = layer.cfg.num_experts_per_tok
     total = module_bytes(layer) - module_bytes(experts)
-    return total + k * module_bytes(experts[0])
+    return total + k * module_bytes(experts) // experts.n_experts
 
 
 def state_read_bytes(st, pos: int, spec) -> int:
@@ -112,6 +112,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10, help="timed steps per measurement")
     p.add_argument("--no-eager", action="store_true", help="skip the (slow) eager measurements")
     p.add_argument("--numerics", choices=("reference", "exact"), default="reference")
+    p.add_argument("--kernels", default=None, metavar="SPEC",
+                   help="op backends: ref, fast, or e.g. fast,sparse_attn=ref (default: fast on CUDA)")
     p.add_argument("--json", help="write the results as JSON to this path")
     args = p.parse_args(argv)
 
@@ -127,6 +129,15 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("error: bench_decode needs a CUDA device", file=sys.stderr)
         return 2
+    from dsv4 import ops
+
+    try:
+        backend, overrides = ops.parse_kernels(args.kernels)
+        kernel_report = ops.configure(backend, "cuda", overrides)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(ops.banner(kernel_report), file=sys.stderr)
     devices = [d.strip() for d in args.device.split(",") if d.strip()]
     contexts = [int(c) for c in args.contexts.split(",")]
     raw = truncate_layers(FLASH_CONFIG, args.layers)
@@ -214,7 +225,7 @@ def main(argv=None) -> int:
     out = {"device": dev_name, "devices": devices, "torch": torch.__version__, "python": platform.python_version(),
            "layers": args.layers, "layer_kinds": [s.attn for s in cfg.layers], "numerics": args.numerics,
            "copy_GBps": bw, "floor_GB_per_token": FLOOR_GB_PER_TOKEN, "floor_ms_at_copy_bw": floor_ms,
-           "build_s": build_s, "results": results, "command": " ".join(sys.argv)}
+           "build_s": build_s, "results": results, "command": " ".join(sys.argv), "kernels": kernel_report}
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
         print(f"wrote {args.json}", file=sys.stderr)

@@ -97,6 +97,23 @@ def configure(kernels: str | None = None, device_type: str = "cpu",
     return report
 
 
+def parse_kernels(spec: str | None) -> tuple[str | None, dict[str, str]]:
+    """`--kernels` value -> (backend, per-op overrides): "ref", "fast", or "fast,sparse_attn=ref,..."
+    (None: the device's default). ValueError with a one-line message otherwise."""
+    if spec is None or spec == "":
+        return None, {}
+    backend, overrides = None, {}
+    for part in (p.strip() for p in spec.split(",")):
+        if "=" in part:
+            name, _, value = part.partition("=")
+            overrides[name.strip()] = value.strip()
+        elif part in BACKENDS and backend is None:
+            backend = part
+        else:
+            raise ValueError(f"--kernels: expected ref, fast or op=ref|fast items, got {part!r}")
+    return backend, overrides
+
+
 def active() -> dict[str, str]:
     return {name: op.active for name, op in OPS.items()}
 

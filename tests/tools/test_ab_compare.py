@@ -1,0 +1,82 @@
+"""tools/ab_compare.py: lockstep scoring of fast vs reference ops, its tolerance verdicts and its CLI."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("ab_compare", ROOT / "tools" / "ab_compare.py")
+ab = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(ab)
+
+
+def test_compare_scores_and_tolerances():
+    ref = torch.tensor([1.0, -2.0, 4.0]).to(torch.bfloat16)
+    ok = ab.compare("linear", ref.clone(), ref)
+    assert ok["max_abs"] == 0 and ok["cos"] == pytest.approx(1.0) and not ok["over"] and ok["tol"] == "op_bf16_out"
+    off = ab.compare("linear", torch.tensor([1.0, -2.0, 4.25]).to(torch.bfloat16), ref)
+    assert off["over"] and off["rel"] == pytest.approx(0.25 / 4)
+    ints = torch.tensor([3, 1, -1], dtype=torch.int32)
+    assert not ab.compare("topk_select", ints.clone(), ints)["over"]
+    assert ab.compare("topk_select", ints.flip(0), ints)["over"]
+    assert ab.compare("sparse_attn", ref, ref)["tol"] == "op_attention"
+
+
+def test_lockstep_returns_the_reference_and_flags_a_wrong_fast_op():
+    from dsv4.ops import Op
+
+    op = Op("linear", ref=lambda x: x * 2, fast=lambda x: x * 2 + 1, fast_on=("cpu",))
+    hook = ab.Lockstep({"linear", "compressor"}, "cpu")
+    hook.kind = "csa"
+    x = torch.ones(4)
+    assert torch.equal(hook(op, (x,), {}), x * 2)  # the reference result flows on
+    row = hook.rows[("linear", "csa")]
+    assert row["calls"] == 1 and row["over"] and row["max_abs"] == 1.0
+    assert hook.first_over.startswith("linear in csa")
+    def bump(t):
+        t.add_(1)
+
+    inplace = Op("compressor", ref=bump, fast=bump, fast_on=("cpu",))
+    t = torch.zeros(3)
+    assert hook(inplace, (t,), {}) is None and torch.equal(t, torch.ones(3))  # compared through its argument
+    assert not hook.rows[("compressor", "csa")]["over"]
+
+
+def _run(*args, env=None):
+    return subprocess.run([sys.executable, str(ROOT / "tools" / "ab_compare.py"), *args], capture_output=True,
+                          text=True, cwd=ROOT, env=env, timeout=900)
+
+
+def test_list_names_every_op():
+    r = _run("--list", "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    from dsv4 import ops
+
+    for name in ops.OPS:
+        assert any(line.startswith(name + " ") for line in r.stdout.splitlines()), name
+
+
+def test_cli_errors():
+    r = _run("--ops", "nope", "--device", "cpu")
+    assert r.returncode == 2 and r.stderr.strip() == "error: unknown op(s) nope; see --list"
+
+
+def test_demo_model_linear_interpreted_on_cpu(tmp_path):
+    from dsv4 import ops
+
+    if ops.OPS["linear"].fast is None:
+        pytest.skip("no fast linear on this machine (Triton missing)")
+    out = tmp_path / "ab.json"
+    r = _run("--device", "cpu", "--tokens", "1", "--ops", "linear", "--json", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads(out.read_text())
+    kinds = {row["layer"] for row in res["rows"] if row["op"] == "linear"}
+    assert {"swa", "csa", "hca"} <= kinds
+    assert all(not row["over"] and row["calls"] > 0 for row in res["rows"])
+    assert res["first_over"] is None and res["greedy_agree"]
+    assert "first over tolerance: none" in r.stdout

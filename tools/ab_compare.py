@@ -1,0 +1,271 @@
+#!/usr/bin/env python3
+"""Kernel A/B comparison: every op's fast backend against its reference, in lockstep, on a real model.
+
+Runs prefill + N decode steps of a prompt through the model with a hook on every op call: the selected
+ops run both backends on the same inputs (the fast one on copies), the reference result flows on, and
+each call is scored (max abs error, relative error max|fast-ref|/max|ref|, relative L2, cosine, time).
+Prints one row per op and layer kind, the first op/layer over its tolerance (dsv4/testing.py), then an
+end-to-end run of each backend alone: the logits error and whether the greedy tokens agree.
+Exit 1 when an op is over tolerance, 2 on a usage error. On a CPU the Triton kernels run under
+TRITON_INTERPRET=1 (set here when absent); CUDA-only ops are listed as unavailable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="Compare every op's fast backend with its reference, in lockstep, on a model "
+                    "(prefill + N decode steps); exit 1 if an op is over tolerance.")
+    p.add_argument("--model", metavar="DIR", help="checkpoint directory (default: the demo model)")
+    p.add_argument("--prompt", default="The quick brown fox jumps over the lazy dog.",
+                   help="prompt text, fed raw (default: a pangram)")
+    p.add_argument("--tokens", type=int, default=4, metavar="N", help="decode steps after the prefill (default 4)")
+    p.add_argument("--ops", default="all", help="all, or a comma list of ops to compare (default all)")
+    p.add_argument("--device", default=None, help="cuda (default when present) or cpu")
+    p.add_argument("--numerics", choices=("reference", "exact"), default="reference",
+                   help="model numerics (default reference)")
+    p.add_argument("--json", metavar="F", help="also write the rows and the summary as JSON to F")
+    p.add_argument("--list", action="store_true", help="list every op with the backends available here and exit")
+    return p.parse_args(argv)
+
+
+def fail(msg: str) -> None:
+    print(f"error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _tensors(x) -> list:
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [t for v in x for t in _tensors(v)]
+    return []
+
+
+def _clone(x):
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return x.clone()
+    if isinstance(x, tuple):
+        return tuple(_clone(v) for v in x)
+    if isinstance(x, list):
+        return [_clone(v) for v in x]
+    return x
+
+
+def tolerance_for(op: str, t) -> str:
+    """The TOLERANCES entry an output of op is held to ('bitwise' for integers)."""
+    import torch
+
+    if not t.is_floating_point():
+        return "bitwise"
+    if op == "sparse_attn":
+        return "op_attention"
+    return "op_fp32_out" if t.dtype == torch.float32 else "op_bf16_out"
+
+
+def compare(op: str, fast, ref) -> dict:
+    """Scores of one call: the worst over its outputs."""
+    import torch
+
+    from dsv4.testing import tol
+
+    worst = {"max_abs": 0.0, "rel": 0.0, "rel_l2": 0.0, "cos": 1.0, "over": False, "tol": None}
+    for a, b in zip(_tensors(fast), _tensors(ref)):
+        name = tolerance_for(op, b)
+        if name == "bitwise":
+            bad = a.shape != b.shape or not torch.equal(a, b)
+            worst["over"] |= bad
+            worst["tol"] = worst["tol"] or "bitwise"
+            if bad:
+                worst["rel"] = float("inf")
+            continue
+        af, bf = a.float().flatten(), b.float().flatten()
+        finite = bool(torch.isfinite(af).all())
+        d = (af - bf).abs()
+        mab = d.max().item() if d.numel() else 0.0
+        rel = mab / max(bf.abs().max().item(), 1e-30) if finite else float("inf")
+        l2 = (d.norm() / bf.norm().clamp_min(1e-30)).item()
+        cos = torch.nn.functional.cosine_similarity(af, bf, dim=0).item() if af.numel() else 1.0
+        worst["max_abs"] = max(worst["max_abs"], mab)
+        worst["rel"] = max(worst["rel"], rel)
+        worst["rel_l2"] = max(worst["rel_l2"], l2)
+        worst["cos"] = min(worst["cos"], cos)
+        worst["over"] |= rel > tol(name)
+        worst["tol"] = name
+    return worst
+
+
+class Lockstep:
+    """The ops hook: runs fast (on copies) and ref, records scores per (op, layer kind), returns ref."""
+
+    def __init__(self, selected: set[str], device_type: str):
+        self.selected, self.device_type = selected, device_type
+        self.kind = "model"  # the layer kind running now (set by module pre-hooks)
+        self.rows: dict = {}
+        self.first_over = None
+
+    def _time(self, fn):
+        import torch
+
+        if self.device_type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = fn()
+        if self.device_type == "cuda":
+            torch.cuda.synchronize()
+        return out, (time.perf_counter() - t0) * 1e6
+
+    def __call__(self, op, args, kwargs):
+        available, _ = op.fast_available(self.device_type)
+        if op.name not in self.selected or not available:
+            return op.ref(*args, **kwargs)
+        fargs, fkwargs = _clone(args), _clone(kwargs)
+        fast_out, fast_us = self._time(lambda: op.fast(*fargs, **fkwargs))
+        ref_ret, ref_us = self._time(lambda: op.ref(*args, **kwargs))
+        ref_out = ref_ret
+        if ref_ret is None:  # an op that updates its arguments in place: compare those
+            fast_out, ref_out = _tensors(fargs), _tensors(args)
+        score = compare(op.name, fast_out, ref_out)
+        key = (op.name, self.kind)
+        row = self.rows.setdefault(key, {"op": op.name, "layer": self.kind, "calls": 0, "max_abs": 0.0, "rel": 0.0,
+                                         "rel_l2": 0.0, "cos": 1.0, "ref_us": 0.0, "fast_us": 0.0, "over": False,
+                                         "tol": score["tol"]})
+        row["calls"] += 1
+        for k in ("max_abs", "rel", "rel_l2"):
+            row[k] = max(row[k], score[k])
+        row["cos"] = min(row["cos"], score["cos"])
+        row["ref_us"] += ref_us
+        row["fast_us"] += fast_us
+        row["over"] |= score["over"]
+        if score["over"] and self.first_over is None:
+            self.first_over = f"{op.name} in {self.kind} (call {row['calls']}, rel {score['rel']:.3g})"
+        return ref_ret
+
+
+def layer_kind(spec) -> str:
+    if spec.is_mtp:
+        return "mtp"
+    return {0: "swa"}.get(spec.ratio, "csa" if spec.has_indexer else "hca")
+
+
+def run_model(model, ids: list[int], tokens: int, device):
+    """Prefill (chunks of 128) + greedy decode: (logits [tokens+1, V] fp32, generated ids)."""
+    import torch
+
+    state = model.new_state(len(ids) + tokens + 1)
+    outs, gen = [], []
+    with torch.no_grad():
+        x = torch.tensor([ids], device=device)
+        for p in range(0, len(ids), 128):
+            logits = model(x[:, p:p + 128], state, last_only=True)
+        for _ in range(tokens + 1):
+            outs.append(logits[0, -1].float().cpu())
+            nxt = int(outs[-1].argmax())
+            gen.append(nxt)
+            if len(outs) > tokens:
+                break
+            logits = model(torch.tensor([[nxt]], device=device), state)
+    return torch.stack(outs), gen
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    dev = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if dev not in ("cpu", "cuda") and not dev.startswith("cuda:"):
+        fail(f"--device must be cpu or cuda, got {args.device!r}")
+    if dev.startswith("cuda") and not torch.cuda.is_available():
+        fail("--device cuda requested but CUDA is not available on this machine")
+    dtype_ = "cuda" if dev.startswith("cuda") else "cpu"
+    if dtype_ == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported
+
+    from dsv4 import ops
+
+    if args.list:
+        for name, op in ops.OPS.items():
+            ok, why = op.fast_available(dtype_)
+            print(f"{name:16s} ref: yes   fast: {'yes' if ok else 'no (' + why + ')'}   {op.doc}")
+        return 0
+    selected = set(ops.OPS) if args.ops == "all" else {s.strip() for s in args.ops.split(",") if s.strip()}
+    unknown = sorted(selected - set(ops.OPS))
+    if unknown:
+        fail(f"unknown op(s) {', '.join(unknown)}; see --list")
+    if args.tokens < 0:
+        fail("--tokens must be >= 0")
+
+    from dsv4.demo import demo_checkpoint
+    from dsv4.loader import load_model
+    from encoding import load_tokenizer
+
+    path = Path(args.model) if args.model else demo_checkpoint()
+    model = load_model(path, numerics=args.numerics, dtype=torch.bfloat16, devices=[dev], progress=False)
+    ids = [0] + load_tokenizer(path).encode(args.prompt)
+    if len(ids) + args.tokens + 1 > model.cfg.max_position_embeddings:
+        fail(f"prompt + --tokens exceed the model's {model.cfg.max_position_embeddings} positions")
+
+    # 1) lockstep: every selected op scored on the reference run's inputs
+    ops.configure("ref", dtype_)
+    hook = Lockstep(selected, dtype_)
+    for layer in list(model.layers) + list(model.mtp):
+        kind = layer_kind(layer.spec)
+        layer.register_forward_pre_hook(lambda m, a, kind=kind: setattr(hook, "kind", kind))
+        layer.register_forward_hook(lambda m, a, o: setattr(hook, "kind", "model"))
+    ops.set_hook(hook)
+    try:
+        run_model(model, ids, args.tokens, dev)
+    finally:
+        ops.set_hook(None)
+
+    # 2) each backend alone, end to end
+    ops.configure("ref", dtype_)
+    ref_logits, ref_tokens = run_model(model, ids, args.tokens, dev)
+    report = ops.configure("fast", dtype_, {n: "ref" for n in ops.OPS if n not in selected})
+    fast_logits, fast_tokens = run_model(model, ids, args.tokens, dev)
+    from dsv4.testing import rel_err
+
+    e2e = rel_err(fast_logits, ref_logits)
+    rows = sorted(hook.rows.values(), key=lambda r: (list(ops.OPS).index(r["op"]), r["layer"]))
+    print(ops.banner(report))
+    print(f"{'op':15s} {'layer':6s} {'calls':>5s} {'max abs':>9s} {'rel':>9s} {'rel L2':>9s} {'cosine':>9s} "
+          f"{'ref us':>9s} {'fast us':>9s} {'speedup':>7s}  tolerance")
+    for r in rows:
+        n = r["calls"]
+        speed = r["ref_us"] / r["fast_us"] if r["fast_us"] else float("nan")
+        flag = "OVER" if r["over"] else "ok"
+        print(f"{r['op']:15s} {r['layer']:6s} {n:5d} {r['max_abs']:9.3g} {r['rel']:9.3g} {r['rel_l2']:9.3g} "
+              f"{r['cos']:9.6f} {r['ref_us'] / n:9.1f} {r['fast_us'] / n:9.1f} {speed:7.2f}  {r['tol']} {flag}")
+    skipped = [n for n in sorted(selected) if not ops.OPS[n].fast_available(dtype_)[0]]
+    if skipped:
+        print(f"no fast path here (not compared): {', '.join(skipped)}")
+    over = [r for r in rows if r["over"]]
+    print(f"first over tolerance: {hook.first_over or 'none'}")
+    agree = fast_tokens == ref_tokens
+    print(f"end to end ({len(ids)} prompt tokens + {args.tokens} decode steps): logits rel err {e2e:.3g}; "
+          f"greedy tokens {'agree' if agree else 'differ'} (ref {ref_tokens}, fast {fast_tokens})")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "device": dev, "model": str(path), "prompt_tokens": len(ids), "decode_steps": args.tokens,
+            "rows": rows, "first_over": hook.first_over, "e2e_logits_rel_err": e2e,
+            "greedy_agree": agree, "ref_tokens": ref_tokens, "fast_tokens": fast_tokens, "kernels": report,
+        }, indent=1))
+    return 1 if over else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,257 @@
+#!/usr/bin/env python3
+"""Per-op latency at DeepSeek-V4-Flash shapes, reference vs fast backend, against the copy bandwidth.
+
+For each case (an op at Flash shapes with random weights in the official formats) and each M (tokens:
+1 and 4 for decode, 128 for a prefill chunk) it times both backends, counts the bytes the op must move
+(weights it reads + activations in and out) and reports GB/s and % of the device-copy bandwidth
+measured in the same run. Timings replay a CUDA graph of --calls back-to-back calls (launch overhead
+excluded, as in the decode graphs); an op that cannot be captured is timed eagerly and marked so.
+Needs CUDA. Prints a table and writes JSON (--json). A benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="Per-op latency at Flash shapes (ref vs fast), bytes moved, GB/s and %% of the device-copy "
+                    "bandwidth measured in the same run. Needs CUDA.")
+    p.add_argument("--device", default="cuda", help="CUDA device (default cuda)")
+    p.add_argument("--m", default="1,4,128", help="comma list of token counts M (default 1,4,128)")
+    p.add_argument("--cases", default="all", help="all, or a comma list of case names (see --list)")
+    p.add_argument("--calls", type=int, default=20, help="calls per timed graph replay (default 20)")
+    p.add_argument("--reps", type=int, default=10, help="timed replays, the median is reported (default 10)")
+    p.add_argument("--no-ref", action="store_true", help="skip timing the reference backend")
+    p.add_argument("--list", action="store_true", help="list the cases and exit")
+    p.add_argument("--json", metavar="F", help="write the results as JSON to F")
+    return p.parse_args(argv)
+
+
+# name, format, N, K, out dtype ("bf16" | "fp32"), input dtype
+LINEARS = [
+    ("wq_a", "fp8", 1024, 4096, "bf16", "bf16"),
+    ("wkv", "fp8", 512, 4096, "bf16", "bf16"),
+    ("wq_b", "fp8", 32768, 1024, "bf16", "bf16"),
+    ("wo_b", "fp8", 4096, 8192, "bf16", "bf16"),
+    ("indexer.wq_b", "fp8", 8192, 1024, "bf16", "bf16"),
+    ("shared.w1", "fp8", 2048, 4096, "bf16", "bf16"),
+    ("shared.w2", "fp8", 4096, 2048, "bf16", "bf16"),
+    ("expert.w1 mxfp4", "mxfp4", 2048, 4096, "bf16", "bf16"),
+    ("expert.w2 mxfp4", "mxfp4", 4096, 2048, "bf16", "bf16"),
+    ("expert.w1 nvfp4", "nvfp4", 2048, 4096, "bf16", "bf16"),
+    ("compressor.wkv", "dense", 1024, 4096, "fp32", "fp32"),
+    ("weights_proj", "dense", 64, 4096, "bf16", "bf16"),
+]
+
+
+def _nbytes(*ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+def build_cases(dev):
+    """name -> (op name, make(M) -> (args tuple, bytes moved))."""
+    import torch
+
+    from dsv4 import formats
+    from dsv4.ops.linear import PreparedLinear, prepare_linear
+
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def randn(*shape, std=1.0, dtype=torch.float32):
+        return (torch.randn(shape, generator=g, device=dev) * std).to(dtype)
+
+    cases = {}
+    for name, fmt, N, K, out, inp in LINEARS:
+        w = randn(N, K, std=K ** -0.5)
+        stored = formats.DenseWeight.quantize(w) if fmt == "dense" else formats.FORMATS[fmt].quantize(w)
+        pw = prepare_linear(stored)
+        odt = torch.float32 if out == "fp32" else torch.bfloat16
+        idt = torch.float32 if inp == "fp32" else torch.bfloat16
+
+        def make(M, pw=pw, K=K, N=N, odt=odt, idt=idt):
+            x = randn(M, K, dtype=idt)
+            return (x, pw, pw.quantized, odt), pw.nbytes() + _nbytes(x) + M * N * odt.itemsize
+        cases[name] = ("linear", make)
+
+    wo = randn(8, 1024, 4096, std=4096 ** -0.5, dtype=torch.bfloat16)
+
+    def make_wo_a(M):
+        o = randn(M, 8, 4096, dtype=torch.bfloat16)
+        return (o, wo), _nbytes(wo, o) + M * 8 * 1024 * 2
+    cases["wo_a"] = ("wo_a", make_wo_a)
+
+    head = randn(129280, 4096, std=4096 ** -0.5, dtype=torch.bfloat16)
+    ph = PreparedLinear("dense", 129280, 4096, head)
+
+    def make_head(M):
+        z = randn(M, 4096, dtype=torch.bfloat16)
+        return (z, ph), _nbytes(head, z) + M * 129280 * 4
+    cases["head"] = ("head", make_head)
+    cases.update(moe_cases(dev, randn))
+    return cases
+
+
+def moe_cases(dev, randn):
+    """The MoE of one layer: 6 of 256 MXFP4 experts + the FP8 shared expert (bytes: the chosen experts)."""
+    import torch
+
+    from dsv4 import formats
+    from dsv4.ops.linear import prepare_linear, stack_prepared
+
+    E, D, I, k = 256, 4096, 2048, 6
+    g = torch.Generator(device="cpu").manual_seed(1)
+
+    def stacked(n, kk):
+        one = prepare_linear(formats.Mxfp4Weight.quantize(randn(n, kk, std=kk ** -0.5)))
+        w = stack_prepared([one])
+        # E experts that differ in their bytes, without quantizing 256 of them: random packed nibbles
+        w.weight = torch.randint(0, 256, (E, *one.weight.shape), dtype=torch.uint8, device=dev)
+        w.scale = (one.scale.unsqueeze(0) + torch.randint(-1, 2, (E, *one.scale.shape), device=dev)).to(torch.uint8)
+        return w
+
+    w1, w2, w3 = stacked(I, D), stacked(D, I), stacked(I, D)
+    shared = tuple(prepare_linear(formats.Fp8BlockWeight.quantize(randn(n, kk, std=kk ** -0.5)))
+                   for n, kk in ((I, D), (D, I), (I, D)))
+    per_expert = (w1.nbytes() + w2.nbytes() + w3.nbytes()) // E
+    gate = randn(E, D, std=D ** -0.5, dtype=torch.bfloat16)
+    bias = randn(E, std=0.1)
+
+    def make_experts(M):
+        x = randn(M, D, dtype=torch.bfloat16)
+        idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(M)]).to(dev)
+        weights = torch.rand(M, k, device=dev)
+        hit = len(set(idx.flatten().tolist()))
+        moved = hit * per_expert + sum(s.nbytes() for s in shared) + 2 * _nbytes(x)
+        return (x, weights, idx, w1, w2, w3, shared, 10.0, True), moved
+
+    def make_router(M):
+        x = randn(M, D, dtype=torch.bfloat16)
+        ids = torch.zeros(M, dtype=torch.int64, device=dev)
+        return (x, gate, bias, None, ids, "sqrtsoftplus", k, True, 1.5), _nbytes(gate, bias, x)
+    return {"moe_experts": ("moe_experts", make_experts), "router": ("router", make_router)}
+
+
+def copy_bandwidth(dev) -> float:
+    """Device-to-device copy GB/s (bytes read + written) of a 2 GiB buffer, CUDA events over 10 copies."""
+    import torch
+
+    a = torch.empty(2 << 30, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize(dev)
+    s.record()
+    for _ in range(10):
+        b.copy_(a)
+    e.record()
+    torch.cuda.synchronize(dev)
+    return 2 * a.numel() * 10 / (s.elapsed_time(e) * 1e-3) / 1e9
+
+
+def time_us(fn, calls: int, reps: int) -> tuple[float, bool]:
+    """Median microseconds per call: replays of a CUDA graph of `calls` calls; eager when capture fails."""
+    import statistics
+
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    graph = None
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+    except Exception:  # an op that cannot be captured (e.g. a host sync): time it eagerly
+        graph = None
+        torch.cuda.synchronize()
+    run = graph.replay if graph is not None else (lambda: [fn() for _ in range(calls)])
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    return statistics.median(times), graph is not None
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    if args.list:
+        names = [c[0] for c in LINEARS] + ["wo_a", "head", "moe_experts", "router"]
+        print("\n".join(names))
+        return 0
+    if not torch.cuda.is_available():
+        print("error: bench_ops needs a CUDA device (none is visible)", file=sys.stderr)
+        return 2
+    from dsv4 import ops
+
+    dev = torch.device(args.device)
+    torch.cuda.set_device(dev)
+    ms = [int(m) for m in args.m.split(",")]
+    cases = build_cases(dev)
+    if args.cases != "all":
+        want = [c.strip() for c in args.cases.split(",")]
+        bad = [c for c in want if c not in cases]
+        if bad:
+            print(f"error: unknown case(s) {', '.join(bad)}; see --list", file=sys.stderr)
+            return 2
+        cases = {k: v for k, v in cases.items() if k in want}
+    bw = copy_bandwidth(dev)
+    print(f"device: {torch.cuda.get_device_name(dev)}; copy bandwidth {bw:.0f} GB/s (read + write, same run)")
+    rows = []
+    for name, (op_name, make) in cases.items():
+        op = ops.OPS[op_name]
+        fast_ok, why = op.fast_available("cuda")
+        for M in ms:
+            op_args, moved = make(M)
+            row = {"case": name, "op": op_name, "M": M, "bytes": moved}
+            for backend, fn in (("ref", op.ref), ("fast", op.fast if fast_ok else None)):
+                if fn is None or (backend == "ref" and args.no_ref):
+                    row[f"{backend}_us"] = None
+                    continue
+                us, graphed = time_us(lambda fn=fn: fn(*op_args), args.calls, args.reps)
+                row[f"{backend}_us"], row[f"{backend}_graph"] = us, graphed
+            best = row.get("fast_us") or row.get("ref_us")
+            row["gbps"] = moved / (best * 1e-6) / 1e9 if best else None
+            row["pct_copy_bw"] = 100 * row["gbps"] / bw if best else None
+            row["fast"] = "yes" if fast_ok else f"no ({why})"
+            rows.append(row)
+            del op_args
+        torch.cuda.empty_cache()
+
+    def f(v, fmt):
+        return format(v, fmt) if v is not None else "-"
+
+    print(f"{'case':18s} {'M':>4s} {'MB':>8s} {'ref us':>9s} {'fast us':>9s} {'speedup':>7s} {'GB/s':>7s} {'% copy':>7s}")
+    for r in rows:
+        sp = r["ref_us"] / r["fast_us"] if r.get("ref_us") and r.get("fast_us") else None
+        print(f"{r['case']:18s} {r['M']:4d} {r['bytes'] / 1e6:8.2f} {f(r.get('ref_us'), '9.1f')} "
+              f"{f(r.get('fast_us'), '9.1f')} {f(sp, '7.1f')} {f(r['gbps'], '7.0f')} {f(r['pct_copy_bw'], '7.1f')}"
+              + ("" if r["fast"] == "yes" else f"  fast: {r['fast']}"))
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "device": torch.cuda.get_device_name(dev), "host": platform.node(), "copy_bw_gbps": bw,
+            "torch": torch.__version__, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
