@@ -2,7 +2,8 @@
 
 CPU: the static decode step, run eagerly, equals the chunked reference path at every position,
 across compressor emission boundaries. GPU: graph replay equals the eager static step bitwise for
-2 x 128 + 5 steps with ratios 4 and 128 and with ratio 16; two GPUs when present.
+2 x 128 + 5 steps with ratios 4 and 128 and with ratio 16, with the reference and with the fast ops;
+two GPUs when present.
 """
 
 import pytest
@@ -70,12 +71,41 @@ def _graph_vs_eager(model, raw, T, devices):
     assert torch.equal(again, out[:20])
 
 
+@pytest.fixture
+def kernels(request):
+    """Bind the op backends for one test ("ref" or "fast"), restored afterwards."""
+    from dsv4 import ops
+
+    ops.configure(request.param, "cuda" if torch.cuda.is_available() else "cpu")
+    yield request.param
+    ops.configure("ref", "cpu")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kernels", ["ref", "fast"], indirect=True)
 @pytest.mark.parametrize("ratios", [[4, 128, 0], [16, 4]], ids=["ratios-4-128", "ratio-16"])
-def test_graph_decode_equals_eager_decode(ratios):
+def test_graph_decode_equals_eager_decode(ratios, kernels):
     raw, model = _model(ratios, seed=3)
     _graph_vs_eager(model, raw, 2 * 128 + 5, ["cuda:0"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kernels", ["fast"], indirect=True)
+def test_graph_decode_reference_numerics_bf16(kernels):
+    # the CLI's default numerics at a width where every fast kernel tiles (FP8 + MXFP4 weights)
+    raw = tiny_config([4, 128, 0], index_topk=3, window=16, max_pos=512, hidden=256, head_dim=128, rope_dim=64,
+                      index_dim=64, expert_dtype="fp4",
+                      quantization_config=dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic",
+                                               scale_fmt="ue8m0", weight_block_size=[128, 128]))
+    model = randomize_(Transformer(ModelConfig.from_dict(raw), Numerics("reference", torch.bfloat16)).place(["cuda:0"]), 5)
+    ids = _ids(raw, 140, seed=9)
+    eager = DecodeRunner(model, model.new_state(len(ids)), use_graphs=False)
+    ref = torch.stack([eager.step(t).clone() for t in ids])
+    graphs = DecodeRunner(model, model.new_state(len(ids)), use_graphs=True)
+    out = torch.stack([graphs.step(t).clone() for t in ids])
+    assert torch.equal(out, ref)
 
 
 @pytest.mark.gpu
