@@ -180,10 +180,18 @@ def _resolve(path: str | Path) -> tuple[Path, Path | None, list[Path]]:
     )
 
 
-def _scan(
-    path: str | Path,
-) -> tuple[Path, dict[str, TensorEntry], dict[str, int], dict[str, str], list[str]]:
-    """-> (dir, entries, data offsets, unindexed {name: shard}, structural problems)."""
+class _Scan(NamedTuple):
+    root: Path
+    entries: dict[str, TensorEntry]
+    offsets: dict[str, int]  # data start of each entry within its shard's data section
+    unindexed: dict[str, str]  # tensors a shard holds but the index does not list: name -> shard
+    problems: list[str]
+    lost: dict[str, str]  # tensors whose shard is missing or unreadable: name -> shard ("*": all)
+
+
+def _scan(path: str | Path) -> _Scan:
+    """Read the index and every shard header; a shard that cannot be used is one problem, and the
+    tensors it should hold are listed in `lost` rather than reported one by one."""
     root, index, singles = _resolve(path)
     problems: list[str] = []
     weight_map: dict[str, str] = {}
@@ -226,13 +234,17 @@ def _scan(
         problems += shard_problems
         if shard is not None:
             headers[fname] = shard
+    unusable = set(files) - set(headers)
+    lost = {t: f for t, f in weight_map.items() if f in unusable}
 
     if index is None:
         for fname, shard in headers.items():
             for tname, (shape, dtype, start) in shard.tensors.items():
                 entries[tname] = TensorEntry(shape, dtype, fname)
                 offsets[tname] = start
-        return root, entries, offsets, unindexed, problems
+        if not headers and files:  # the one shard is unusable: every tensor is lost with it
+            lost = {"*": files[0]}
+        return _Scan(root, entries, offsets, unindexed, problems, lost)
 
     for tname, fname in weight_map.items():
         shard = headers.get(fname)
@@ -248,7 +260,7 @@ def _scan(
         for tname in shard.tensors:
             if weight_map.get(tname) != fname and tname not in unindexed:
                 unindexed[tname] = fname
-    return root, entries, offsets, unindexed, problems
+    return _Scan(root, entries, offsets, unindexed, problems, lost)
 
 
 def inspect_checkpoint(path: str | Path) -> dict[str, TensorEntry]:
@@ -258,7 +270,8 @@ def inspect_checkpoint(path: str | Path) -> dict[str, TensorEntry]:
     or exactly one `*.safetensors`), an index file, or a single safetensors file. Raises
     CheckpointError listing every missing, unreadable or truncated shard and every index entry
     that its shard does not hold."""
-    root, entries, _, _, problems = _scan(path)
+    scan = _scan(path)
+    root, entries, problems = scan.root, scan.entries, scan.problems
     if problems:
         raise CheckpointError(root, problems)
     return entries
@@ -297,7 +310,7 @@ def _dtype_list(spec: TensorSpec) -> str:
 
 
 def _validate(path, cfg: ModelConfig, with_mtp: bool | None):
-    root, entries, offsets, unindexed, problems = _scan(path)
+    root, entries, offsets, unindexed, problems, lost = _scan(path)
     expected = expected_tensors(cfg, with_mtp=True)
     use_mtp = _resolve_mtp(cfg, expected, set(entries) | set(unindexed), with_mtp, problems)
     if not use_mtp:
@@ -306,8 +319,13 @@ def _validate(path, cfg: ModelConfig, with_mtp: bool | None):
     else:
         skipped = set()
 
+    unavailable: dict[str, int] = {}  # shard -> expected tensors lost with it
     for name, spec in expected.items():
         e = entries.get(name)
+        if e is None and (name in lost or "*" in lost):
+            shard = lost.get(name, lost.get("*"))
+            unavailable[shard] = unavailable.get(shard, 0) + 1
+            continue
         if e is None:
             where = unindexed.get(name)
             hint = f" (it is in {where}, but {INDEX_FILE} does not list it)" if where else ""
@@ -330,6 +348,11 @@ def _validate(path, cfg: ModelConfig, with_mtp: bool | None):
             problems.append(
                 f"unexpected tensor {name} (in {shard}, not listed in {INDEX_FILE} either)"
             )
+    if unavailable:  # the consequence of the shard problems above, in one line
+        n = sum(unavailable.values())
+        shards = ", ".join(sorted(unavailable))
+        problems.append(f"so {n} of the model's {len(expected)} tensors ({'in ' if len(unavailable) == 1 else 'in shards '}"
+                        f"{shards}) cannot be checked or loaded")
     load = {n: e for n, e in entries.items() if n in expected}
     return root, load, offsets, problems
 

@@ -203,6 +203,48 @@ def test_unreadable_and_absent_shards(ckpt):
     assert len(problems) == 2
 
 
+def test_broken_shard_header_is_one_problem_and_one_consequence(ckpt):
+    # the cause once, then one line for the tensors lost with it (not one "missing tensor" each)
+    index = _index(ckpt)
+    shards = sorted(set(index["weight_map"].values()))
+    lost = sum(1 for v in index["weight_map"].values() if v == shards[0])
+    with open(ckpt / shards[0], "r+b") as f:
+        f.seek(12)
+        f.write(b"\x00garbage")
+    with pytest.raises(CheckpointError) as e:
+        load_model(ckpt, progress=False)
+    problems = _problems(e)
+    assert len(problems) == 2
+    assert problems[0].startswith(f"shard {shards[0]} is unreadable: invalid safetensors header")
+    total = len(expected_tensors(_cfg(ckpt)))
+    assert problems[1] == f"so {lost} of the model's {total} tensors (in {shards[0]}) cannot be checked or loaded"
+    # absent shards too
+    os.remove(ckpt / shards[1])
+    lost += sum(1 for v in index["weight_map"].values() if v == shards[1])
+    with pytest.raises(CheckpointError) as e:
+        validate_checkpoint(ckpt, _cfg(ckpt))
+    assert _problems(e)[-1] == (f"so {lost} of the model's {total} tensors (in shards {shards[0]}, {shards[1]}) "
+                                "cannot be checked or loaded")
+    assert len(_problems(e)) == 3
+
+
+def test_broken_single_file_checkpoint(master, tmp_path):
+    single = tmp_path / "single"
+    single.mkdir()
+    shutil.copy(master / "config.json", single)
+    tensors = {}
+    for shard in sorted(master.glob("model-*.safetensors")):
+        tensors.update(load_file(shard))
+    save_file(tensors, single / "model.safetensors", metadata={"format": "pt"})
+    (single / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    with pytest.raises(CheckpointError) as e:
+        load_model(single, progress=False)
+    problems = _problems(e)
+    assert len(problems) == 2 and problems[0].startswith("shard model.safetensors is unreadable")
+    n = len(expected_tensors(_cfg(single), with_mtp=False))  # no MTP tensor is readable: MTP is not expected
+    assert problems[1] == f"so {n} of the model's {n} tensors (in model.safetensors) cannot be checked or loaded"
+
+
 def test_index_entry_not_in_its_shard(ckpt):
     index = _index(ckpt)
     shards = sorted(set(index["weight_map"].values()))
