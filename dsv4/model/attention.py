@@ -16,7 +16,7 @@ from dsv4 import ops
 from dsv4.config import LayerSpec, ModelConfig
 from dsv4.model.compressor import Compressor
 from dsv4.model.indexer import Indexer
-from dsv4.model.layers import Linear, Numerics, RMSNorm, Rope, StepPlan
+from dsv4.model.layers import FusedLinear, Linear, Numerics, RMSNorm, Rope, StepPlan
 from dsv4.state import BlockState
 
 
@@ -44,6 +44,15 @@ class Attention(nn.Module):
         if spec.has_indexer:
             self.indexer = Indexer(cfg, spec.ratio, numerics, fmt, **fmt_opts)
         self._wo_a: tuple | None = None  # (key, [G, o_lora, group_in] weight in the activation dtype)
+        # same-input projections, one GEMM each: wq_a || wkv; every compressor's wkv || wgate
+        self.qkv_a = FusedLinear([self.wq_a, self.wkv])
+        comps = [c for c in (self.compressor, self.indexer.compressor if self.indexer else None) if c is not None]
+        self.compress_proj = FusedLinear([w for c in comps for w in (c.wkv, c.wgate)]) if comps else None
+
+    def prepare_fused(self) -> None:
+        self.qkv_a.prepared()
+        if self.compress_proj is not None:
+            self.compress_proj.prepared()
 
     def wo_a_grouped(self) -> torch.Tensor:
         """wo_a dequantized once to the activation dtype as [G, o_lora, group_in] (what DeepSeek's
@@ -60,22 +69,25 @@ class Attention(nn.Module):
         B, S, _ = x.shape
         ref = self.numerics.reference
         cos, sin = plan.rope(rope)
-        qr = self.q_norm(self.wq_a(x))
+        q_a, kv = self.qkv_a(x)
+        qr = self.q_norm(q_a)
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         q = ops.q_norm_rope(q, cos, sin, self.eps, ref)
-        kv = ops.kv_norm_rope(self.wkv(x), self.kv_norm.weight, self.eps, cos, sin, self.nope_dim if ref else 0)
+        kv = ops.kv_norm_rope(kv, self.kv_norm.weight, self.eps, cos, sin, self.nope_dim if ref else 0)
 
         kv_win = torch.cat((st.window, kv), 1)  # ring (positions < start) ++ this chunk
         idx_win = plan.win_idx.expand(B, -1, -1)
         kv_comp = idx_comp = None
         if self.compressor is not None:
             comp = st.compressor
-            self.compressor(x, plan, comp, rope)
+            # fp32 projections on the fp32 input (SPEC §5.16), all compressors of the layer in one GEMM
+            proj = self.compress_proj(x.float(), torch.float32)
+            self.compressor(proj[0], proj[1], plan, comp, rope)
             n = plan.n_entries(self.spec.ratio, comp.entries.shape[1] - 1)
             kv_comp = comp.entries[:, :n]
             n_vis = (plan.pos + 1) // self.spec.ratio  # [S]
             if self.indexer is not None:
-                idx_comp = self.indexer(x, qr, plan, st.indexer, rope, n, n_vis)
+                idx_comp = self.indexer(x, qr, plan, st.indexer, rope, n, n_vis, proj[2], proj[3])
             else:  # HCA: every visible entry, ascending
                 ar = torch.arange(n, device=x.device)
                 idx_comp = torch.where(ar[None, :] < n_vis[:, None], ar, -1).to(torch.int32).expand(B, -1, -1)

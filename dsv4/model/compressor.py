@@ -2,7 +2,7 @@
 
 HCA (ratio != 4): softmax over the window's tokens, per channel, of gate+ape scores. CSA (ratio 4):
 overlapping windows of width 8, stride 4: the previous window's first halves (A) join the current
-window's second halves (B). Projections run in fp32 on fp32 inputs (ops.linear, dense weights);
+window's second halves (B). Projections run in fp32 on fp32 inputs (the attention runs them);
 pooling, norm, RoPE at position w*ratio, quantization simulation and the insert are `ops.compressor`,
 which works on chunks of any length with boundaries anywhere (incomplete windows live in the state).
 """
@@ -30,11 +30,10 @@ class Compressor(nn.Module):
         self.register_buffer("ape", torch.zeros(ratio, coff * dim, dtype=torch.float32))
         self.norm = RMSNorm(dim, eps)
 
-    def forward(self, x: torch.Tensor, plan: StepPlan, st: CompressorState, rope: Rope) -> None:
-        # x: [B,S,hidden] (attn_norm output) at plan.pos: emits the entries of the windows that close
-        # into st.entries and keeps the open window (and CSA's previous one) in st.kv / st.score
-        xf = x.float()  # fp32 projections on the fp32 input (SPEC §5.16)
-        c, g = self.wkv(xf, torch.float32), self.wgate(xf, torch.float32)
+    def forward(self, c: torch.Tensor, g: torch.Tensor, plan: StepPlan, st: CompressorState, rope: Rope) -> None:
+        # c = wkv(x), g = wgate(x): [B,S,coff*d] fp32 projections of the attn_norm output (fp32 weights and
+        # input, SPEC §5.16; the attention runs them fused) at plan.pos: emits the entries of the windows
+        # that close into st.entries and keeps the open window (and CSA's previous one) in st.kv / st.score
         quant = ("fp4" if self.rotate else "fp8") if self.numerics.reference else None
         ops.compressor(c, g, self.ape, self.norm.weight, self.norm.eps, rope.cos, rope.sin, st.kv, st.score,
                        st.entries, plan.start, self.ratio, self.overlap, quant)

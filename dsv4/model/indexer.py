@@ -32,9 +32,10 @@ class Indexer(nn.Module):
         self.scale = self.dim ** -0.5 * self.n_heads ** -0.5
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, plan: StepPlan, st: CompressorState, rope: Rope,
-                n: int, n_vis: torch.Tensor) -> torch.Tensor:
-        # x: [B,S,hidden], qr: [B,S,q_lora] -> [B,S,min(topk, n)] int32 entry indices (-1 = none)
-        self.compressor(x, plan, st, rope)
+                n: int, n_vis: torch.Tensor, c: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        # x: [B,S,hidden], qr: [B,S,q_lora], c/g: its compressor's projections of x ->
+        # [B,S,min(topk, n)] int32 entry indices (-1 = none)
+        self.compressor(c, g, plan, st, rope)
         cos, sin = plan.rope(rope)
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.dim))  # [B,S,H,d]
         q = ops.rope(q, cos, sin, False)

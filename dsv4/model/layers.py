@@ -94,6 +94,56 @@ class Linear(nn.Module):
         return ops.linear(x, self.prepared(), self.act_quant, out_dtype or x.dtype)
 
 
+class FusedLinear:
+    """Linears that read the same input, run as one GEMM over their concatenated rows (one launch, one
+    activation quantization). The members keep their official buffers, re-pointed as views into the
+    concatenated tensors, so no weight is stored twice; a member whose buffers are replaced (reload,
+    placement) or written is re-fused at the next call. Members that cannot share one GEMM (different
+    formats or dtypes, FP8 rows not a multiple of the 128-row scale block) run one by one."""
+
+    def __init__(self, members: list[Linear]):
+        self.members = members
+        self._fused: tuple | None = None
+
+    def _key(self) -> tuple:
+        return tuple((b.data_ptr(), b._version) for m in self.members for b in m._buffers.values())
+
+    def _fusable(self) -> bool:
+        m0 = self.members[0]
+        names = list(m0._buffers)
+        same = all(m.fmt == m0.fmt and m.in_features == m0.in_features and m.act_quant == m0.act_quant
+                   and list(m._buffers) == names
+                   and all(m._buffers[n].dtype == m0._buffers[n].dtype and m._buffers[n].device == m0._buffers[n].device
+                           for n in names) for m in self.members)
+        blocks = m0.fmt != "fp8" or all(m.out_features % 128 == 0 for m in self.members)
+        return same and blocks and m0.fmt in ("dense", "fp8") and m0._buffers["weight"].device.type != "meta"
+
+    def prepared(self) -> PreparedLinear | None:
+        key = self._key()
+        if self._fused is None or self._fused[0] != key:
+            fused = None
+            if self._fusable():
+                names = list(self.members[0]._buffers)
+                cat = {n: torch.cat([m._buffers[n] for m in self.members], 0) for n in names}
+                offset = dict.fromkeys(names, 0)
+                for m in self.members:  # re-point the members' buffers into the fused tensors
+                    for n in names:
+                        rows = m._buffers[n].shape[0]
+                        m._buffers[n] = cat[n][offset[n]:offset[n] + rows]
+                        offset[n] += rows
+                fused = prepare_linear(self.members[0].cls(**cat))
+            self._fused = (self._key(), fused)
+        return self._fused[1]
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
+        """x [..., K] -> one output per member, in member order (views of one GEMM's output)."""
+        p = self.prepared()
+        if p is None:
+            return tuple(m(x, out_dtype) for m in self.members)
+        y = ops.linear(x, p, self.members[0].act_quant, out_dtype or x.dtype)
+        return y.split([m.out_features for m in self.members], -1)
+
+
 # --------------------------------------------------------------------------------------------------
 # RoPE tables: interleaved pairs (x[2i], x[2i+1]) on the LAST `rope_dim` dims of a head (SPEC §2.3.3)
 

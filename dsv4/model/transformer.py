@@ -197,10 +197,9 @@ class Transformer(nn.Module):
         stacked experts' prepared tensors, wo_a in the activation dtype, the head. Later calls re-make
         only what changed."""
         for mod in self.modules():
-            if hasattr(mod, "prepared"):
-                mod.prepared()
-            if hasattr(mod, "wo_a_grouped"):
-                mod.wo_a_grouped()
+            for step in ("prepare_fused", "prepared", "wo_a_grouped"):
+                if hasattr(mod, step):
+                    getattr(mod, step)()
         if self.head.weight.device.type != "meta":
             self.head_weight()
         return self
