@@ -21,13 +21,23 @@ spec.loader.exec_module(detect_sync)
 
 
 def _model():
-    raw = tiny_config([0, 4, 128, 16], head_dim=128, rope_dim=64, index_dim=64, index_topk=4, max_pos=1024)
+    raw = tiny_config([0, 4, 128, 16], hidden=256, head_dim=128, rope_dim=64, index_dim=64, index_topk=4,
+                      max_pos=1024, expert_dtype="fp4",
+                      quantization_config=dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic",
+                                               scale_fmt="ue8m0", weight_block_size=[128, 128]))
     model = randomize_(Transformer(ModelConfig.from_dict(raw), Numerics("reference", torch.bfloat16)), 0)
     return model.place(["cuda:0"])
 
 
-def test_decode_step_is_clean():
-    found = detect_sync.check(_model(), 300)
+@pytest.mark.parametrize("kernels", ["ref", "fast"])
+def test_decode_step_is_clean(kernels):
+    from dsv4 import ops
+
+    ops.configure(kernels, "cuda")
+    try:
+        found = detect_sync.check(_model(), 300)
+    finally:
+        ops.configure("ref", "cpu")
     assert found == [], "\n".join(f"{v.kind} {v.piece}: {v.where}" for v in found)
 
 

@@ -137,12 +137,22 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda:0", help="cuda device, or a comma list to spread layers")
     p.add_argument("--max-len", type=int, default=512, help="state size in tokens")
     p.add_argument("--numerics", choices=("exact", "reference"), default="reference")
+    p.add_argument("--kernels", default=None, metavar="SPEC",
+                   help="op backends: ref, fast, or e.g. fast,sparse_attn=ref (default: fast on CUDA)")
     args = p.parse_args(argv)
 
     import torch
 
     if not torch.cuda.is_available():
         print("error: detect_sync needs a CUDA device", file=sys.stderr)
+        return 2
+    from dsv4 import ops
+
+    try:
+        backend, overrides = ops.parse_kernels(args.kernels)
+        print(ops.banner(ops.configure(backend, "cuda", overrides)), file=sys.stderr)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     devices = [d.strip() for d in args.device.split(",") if d.strip()]
     dtype = torch.bfloat16 if args.numerics == "reference" else torch.float32
@@ -156,8 +166,11 @@ def main(argv=None) -> int:
         from dsv4.model.transformer import Transformer
         from dsv4.testing import randomize_, tiny_config
 
-        raw = tiny_config([0, 4, 128, 16], head_dim=128, rope_dim=64, index_dim=64, index_topk=4,
-                          max_pos=max(1024, args.max_len))
+        # FP8 projections + MXFP4 experts at a width every fast kernel tiles
+        raw = tiny_config([0, 4, 128, 16], hidden=256, head_dim=128, rope_dim=64, index_dim=64, index_topk=4,
+                          max_pos=max(1024, args.max_len), expert_dtype="fp4",
+                          quantization_config=dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic",
+                                                   scale_fmt="ue8m0", weight_block_size=[128, 128]))
         model = randomize_(Transformer(ModelConfig.from_dict(raw), Numerics(args.numerics, dtype)), 0)
         model.place(devices)
     found = check(model, args.max_len)
