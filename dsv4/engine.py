@@ -1,14 +1,16 @@
 """Generation engine: checkpoint -> chat prompt -> chunked prefill -> sampled decode -> parsed reply.
 
-Owns one request's life cycle on a loaded `Transformer`: encoding the conversation with the
-checkpoint's encoder release, prefill in chunks of at most PREFILL_CHUNK tokens, the decode loop and
-its stop conditions (EOS, max new tokens, context limit), streaming deltas (IncrementalDecoder ->
-StreamingParser) and usage/timing accounting. The model, loader, tokenizer and parser live elsewhere.
+Owns one request's life cycle on a loaded `Transformer`: checking a checkpoint directory before its
+weights load (`inspect_model_dir`: config, tokenizer/vocabulary agreement, encoder release),
+encoding the conversation with the checkpoint's encoder release, prefill in chunks of at most
+PREFILL_CHUNK tokens (optionally continuing from the prefix already in the state), the decode loop
+and its stop conditions (EOS, stop strings, max new tokens, context limit, Ctrl-C), streaming deltas
+(IncrementalDecoder -> StreamingParser), log-probabilities and usage/timing accounting. The model,
+loader, tokenizer and parser live elsewhere.
 """
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from collections.abc import Callable
@@ -17,17 +19,22 @@ from pathlib import Path
 
 import torch
 
+from dsv4.config import ModelConfig
 from dsv4.sampling import SamplingParams, make_generator, sample
 from encoding import (
-    IncrementalDecoder, StreamDelta, StreamingParser, encode_messages, load_tokenizer, normalize_release,
-    release_from_config,
+    IncrementalDecoder, StreamDelta, StreamingParser, Tokenizer, encode_messages, load_tokenizer,
+    normalize_release, release_from_config,
 )
 
 PREFILL_CHUNK = 128  # tokens per prefill forward: bounds activation memory for long prompts
+DEFAULT_CONTEXT = {"cpu": 4096, "cuda": 32768}  # max context when none is given (capped by the model)
+MAX_LOGPROBS = 20  # most alternatives per token --logprobs reports (OpenAI's limit)
 
 # Accepted `reasoning_effort` per encoder release (ENCODING.md §3.6); None is always accepted.
 # tests/test_engine.py checks this table against encode_messages so the two cannot drift.
 REASONING_EFFORTS = {"preview": ("high", "max"), "0731": ("low", "high", "max")}
+# Efforts a release accepts but renders as no prefix at all (the same prompt as no effort).
+NO_OP_EFFORTS = {"preview": ("high",), "0731": ("low",)}
 
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
@@ -45,29 +52,62 @@ class Completion:
     """Raw result of `Engine.complete`: generated ids (EOS included when it stopped the turn)."""
 
     token_ids: list[int]
-    finish_reason: str  # "stop" (EOS) | "length" (max_new_tokens) | "context" (max context reached)
+    # "stop" (EOS or a stop string) | "length" (max_new_tokens) | "context" (max context reached)
+    # | "interrupted" (KeyboardInterrupt during prefill or decode)
+    finish_reason: str
     prompt_tokens: int
     timings: dict[str, float | None]
+    cached_tokens: int = 0  # prompt tokens already in the state (prefix reuse), not prefilled again
+    logprobs: list[dict] | None = None
 
 
 @dataclass
 class GenerationResult:
-    """One assistant turn, OpenAI-style, plus accounting. `to_dict()` is the CLI's --json object."""
+    """One assistant turn, OpenAI-style, plus accounting. `to_dict()` is the CLI's --json object.
+
+    `unparsed`: completion text the parser could not place as reasoning, content or a tool call
+    (empty for a well-formed turn). `logprobs`: per generated token when requested, else None.
+    """
 
     role: str
     reasoning_content: str
     content: str
     tool_calls: list[dict]
     finish_reason: str
-    usage: dict[str, int]
+    usage: dict
     timings: dict[str, float | None]
+    unparsed: list[str] = field(default_factory=list)
+    logprobs: list[dict] | None = None
     token_ids: list[int] = field(default_factory=list)
 
     def to_dict(self, with_token_ids: bool = False) -> dict:
         d = asdict(self)
         if not with_token_ids:
             d.pop("token_ids")
+        if d["logprobs"] is None:
+            d.pop("logprobs")
         return d
+
+    def message(self) -> dict:
+        """The assistant message to append to the conversation for the next turn."""
+        msg = {"role": "assistant", "content": self.content, "reasoning_content": self.reasoning_content}
+        if self.tool_calls:
+            msg["tool_calls"] = self.tool_calls
+        return msg
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What a checkpoint directory says about itself, read without touching the weights."""
+
+    path: Path
+    config: ModelConfig
+    release: str  # encoder release: "preview" | "0731"
+    tokenizer: Tokenizer
+
+    @property
+    def max_positions(self) -> int:
+        return self.config.max_position_embeddings
 
 
 def parse_devices(spec: str | list[str] | None) -> list[str]:
@@ -101,13 +141,40 @@ def check_devices(devices: list[str]) -> None:
                               "CUDA device(s)")
 
 
-def _max_positions(path: Path) -> int | None:
-    """max_position_embeddings from config.json, read cheaply before the (slow) weight load."""
+def default_max_context(devices: list[str], max_positions: int) -> int:
+    """The max context used when none is given: 4096 on CPU, 32768 on CUDA, capped by the model."""
+    return min(DEFAULT_CONTEXT["cuda" if devices[0].startswith("cuda") else "cpu"], max_positions)
+
+
+def inspect_model_dir(path: str | Path) -> CheckpointInfo:
+    """Read a checkpoint directory's config.json and tokenizer and check that they agree, before any
+    weight is loaded: a tokenizer with ids the model has no embedding for is an EngineError here,
+    not a failure at the first prompt. The weights themselves are the loader's to validate."""
+    path = Path(path)
+    if not path.exists():
+        raise EngineError(f"model path {path} does not exist")
+    if not path.is_dir():
+        raise EngineError(f"model path {path} is not a directory: pass the checkpoint directory")
+    cfg = ModelConfig.from_file(path / "config.json")  # ConfigError names the problem
     try:
-        value = json.loads((path / "config.json").read_text(encoding="utf-8")).get("max_position_embeddings")
-    except (OSError, ValueError, AttributeError):
-        return None  # the loader reports a missing or broken config with all other problems
-    return value if isinstance(value, int) else None
+        tokenizer = load_tokenizer(path)
+    except Exception as e:  # a broken tokenizer.json: tokenizers raises plain Exceptions
+        raise EngineError(f"checkpoint {path}: cannot load its tokenizer: {str(e).splitlines()[0]}") from None
+    source = "tokenizer.json" if (path / "tokenizer.json").is_file() else "the bundled DeepSeek-V4 tokenizer"
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise EngineError(
+            f"checkpoint {path}: {source} has {tokenizer.vocab_size} tokens but config.json's vocab_size is "
+            f"{cfg.vocab_size}: the tokenizer does not belong to this model (ids >= {cfg.vocab_size} have no "
+            "embedding); put the model's own tokenizer.json beside config.json")
+    for name, tid in (("BOS", tokenizer.bos_id), ("EOS", tokenizer.eos_id)):
+        if not 0 <= tid < cfg.vocab_size:
+            raise EngineError(f"checkpoint {path}: the tokenizer's {name} id {tid} is outside the model's "
+                              f"vocabulary [0, {cfg.vocab_size})")
+    try:
+        release = release_from_config(path)
+    except (OSError, ValueError) as e:
+        raise EngineError(f"checkpoint {path}: cannot read config.json: {e}") from None
+    return CheckpointInfo(path, cfg, release, tokenizer)
 
 
 def _eos_ids(tokenizer, generation_config: dict) -> frozenset[int]:
@@ -127,11 +194,76 @@ def _defaults_from(generation_config: dict) -> SamplingParams:
                           top_k=int(generation_config.get("top_k") or 0))
 
 
+def check_reasoning_effort(release: str, effort: str | None) -> None:
+    """EngineError unless this encoder release accepts `effort` (None always is)."""
+    if effort is not None and effort not in REASONING_EFFORTS[release]:
+        raise EngineError(f"reasoning effort {effort!r} is not accepted by this checkpoint's encoder "
+                          f"({release}); choose one of {', '.join(REASONING_EFFORTS[release])}")
+
+
+def encode_conversation(tokenizer, release: str, messages: list[dict], thinking_mode: str = "thinking",
+                        reasoning_effort: str | None = None) -> list[int]:
+    """Prompt token ids of a conversation, rendered by encoder `release` (no model needed)."""
+    if thinking_mode not in ("thinking", "chat"):
+        raise ValueError(f"thinking mode must be 'thinking' or 'chat', got {thinking_mode!r}")
+    check_reasoning_effort(release, reasoning_effort)
+    try:
+        prompt = encode_messages(messages, thinking_mode, reasoning_effort=reasoning_effort, release=release)
+    except (AssertionError, AttributeError, TypeError, KeyError) as e:  # the encoder's format checks
+        raise EngineError(f"cannot encode the conversation: {e}") from None
+    return tokenizer.encode(prompt)
+
+
+def declared_tools(messages: list[dict]) -> list[dict]:
+    """Every tool schema the conversation declares (tools ride on system/developer messages)."""
+    return [t for m in messages for t in (m.get("tools") or [])]
+
+
+def _make_parser(thinking_mode: str, tools: list[dict]) -> StreamingParser:
+    """StreamingParser for the turn; the declared tools enable the recovery of drifted tool calls."""
+    return StreamingParser(thinking_mode, tools=tools or None)
+
+
+class StopStrings:
+    """Cuts a text stream at the first of several stop strings.
+
+    `push(text)` returns the text that is certainly before any stop (a suffix that could still
+    begin one is held back) and whether a stop was found; the stop string itself and everything
+    after it are dropped, as OpenAI's `stop` does.
+    """
+
+    def __init__(self, stops: list[str] | tuple[str, ...] = ()):
+        self.stops = [s for s in stops if s]
+        self.buf = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        if not self.stops:
+            return text, False
+        self.buf += text
+        hits = [i for i in (self.buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.buf = self.buf[:min(hits)], ""
+            return out, True
+        longest = max(len(s) for s in self.stops)
+        keep = len(self.buf)
+        for i in range(max(0, len(self.buf) - longest + 1), len(self.buf)):
+            if any(s.startswith(self.buf[i:]) for s in self.stops):
+                keep = i
+                break
+        out, self.buf = self.buf[:keep], self.buf[keep:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.buf = self.buf, ""
+        return out
+
+
 class Engine:
     """A loaded model plus everything needed to serve one request at a time.
 
-    The decode state is preallocated once for `max_context` tokens (prompt + completion) and reset
-    per request, so memory use is fixed after construction.
+    The decode state is preallocated once for `max_context` tokens (prompt + completion). Each
+    request resets it, unless it asks to reuse the prefix: then a prompt that starts with the
+    tokens already in the state only prefills its new suffix (multi-turn chat).
     """
 
     def __init__(self, model, tokenizer, max_context: int, release: str = "preview", *,
@@ -147,6 +279,7 @@ class Engine:
         self.eos_ids = eos_ids or frozenset({tokenizer.eos_id})
         self.load_s = load_s
         self.state = model.new_state(max_context)
+        self.state_ids: list[int] | None = []  # tokens whose KV the state holds; None: unknown (reset)
         self.input_device = model.embed.weight.device  # ids enter at the embedding's device
         # On CUDA, decode replays one captured graph per layer over the same state the chunked prefill
         # fills; on CPU (or with graphs=False) the decode step runs the chunked path with one token.
@@ -157,14 +290,17 @@ class Engine:
             self.runner = DecodeRunner(model, self.state, use_graphs=True)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path | None = None, *, device: str | list[str] | None = None,
-                        max_context: int = 4096, numerics: str = "reference", dtype: torch.dtype = torch.bfloat16,
+    def from_pretrained(cls, path: str | Path | CheckpointInfo | None = None, *,
+                        device: str | list[str] | None = None, max_context: int | None = None,
+                        numerics: str = "reference", dtype: torch.dtype = torch.bfloat16,
                         progress: bool = True, graphs: bool = True) -> Engine:
-        """Load checkpoint `path` (None: the embedded demo checkpoint, generated on first use).
+        """Load checkpoint `path` (None: the embedded demo checkpoint, generated on first use; or the
+        CheckpointInfo that `inspect_model_dir` returned for it).
 
-        Defaults for sampling and the stop ids come from the checkpoint's generation_config.json;
-        the encoder release ("preview" or "0731") from its config.json. graphs: decode through
-        per-layer CUDA graphs when the model is on CUDA (False: eager decode, for debugging).
+        max_context None: 4096 tokens on CPU, 32768 on CUDA, at most the model's
+        max_position_embeddings. Defaults for sampling and the stop ids come from the checkpoint's
+        generation_config.json; the encoder release ("preview" or "0731") from its config.json.
+        graphs: decode through per-layer CUDA graphs when the model is on CUDA (False: eager).
         """
         devices = parse_devices(device)
         check_devices(devices)
@@ -173,20 +309,19 @@ class Engine:
             from dsv4.demo import demo_checkpoint
 
             path = demo_checkpoint()
-        path = Path(path)
-        if not path.exists():
-            raise EngineError(f"model path {path} does not exist")
-        max_pos = _max_positions(path)
-        if max_pos is not None and max_context > max_pos:
-            raise EngineError(f"max context {max_context} exceeds the model's max_position_embeddings {max_pos}")
+        info = path if isinstance(path, CheckpointInfo) else inspect_model_dir(path)
+        if max_context is None:
+            max_context = default_max_context(devices, info.max_positions)
+        if max_context > info.max_positions:
+            raise EngineError(f"max context {max_context} exceeds the model's max_position_embeddings "
+                              f"{info.max_positions}; choose --max-context {info.max_positions} or less")
         from dsv4.loader import load_generation_config, load_model
 
-        model = load_model(path, numerics=numerics, dtype=dtype, devices=devices, with_mtp=False,
+        generation_config = load_generation_config(info.path)
+        model = load_model(info.path, numerics=numerics, dtype=dtype, devices=devices, with_mtp=False,
                            max_pos=max_context, progress=progress)
-        generation_config = load_generation_config(path)
-        tokenizer = load_tokenizer(path)
-        return cls(model, tokenizer, max_context, release_from_config(path),
-                   defaults=_defaults_from(generation_config), eos_ids=_eos_ids(tokenizer, generation_config),
+        return cls(model, info.tokenizer, max_context, info.release,
+                   defaults=_defaults_from(generation_config), eos_ids=_eos_ids(info.tokenizer, generation_config),
                    load_s=time.perf_counter() - t0, graphs=graphs)
 
     # ---- requests ----------------------------------------------------------------------------
@@ -194,58 +329,112 @@ class Engine:
     def encode(self, messages: list[dict], thinking_mode: str = "thinking",
                reasoning_effort: str | None = None) -> list[int]:
         """Prompt token ids of a conversation, rendered by this checkpoint's encoder release."""
-        if thinking_mode not in ("thinking", "chat"):
-            raise ValueError(f"thinking mode must be 'thinking' or 'chat', got {thinking_mode!r}")
-        if reasoning_effort is not None and reasoning_effort not in REASONING_EFFORTS[self.release]:
-            raise EngineError(f"reasoning effort {reasoning_effort!r} is not accepted by this checkpoint's "
-                              f"encoder ({self.release}); choose one of {', '.join(REASONING_EFFORTS[self.release])}")
-        try:
-            prompt = encode_messages(messages, thinking_mode, reasoning_effort=reasoning_effort,
-                                     release=self.release)
-        except AssertionError as e:  # the encoder's format checks (official behaviour) -> user error
-            raise EngineError(f"cannot encode the conversation: {e}") from None
-        return self.tokenizer.encode(prompt)
+        return encode_conversation(self.tokenizer, self.release, messages, thinking_mode, reasoning_effort)
 
     def generate(self, messages: list[dict], thinking_mode: str = "thinking", reasoning_effort: str | None = None,
                  params: SamplingParams | None = None,
-                 on_delta: Callable[[StreamDelta], None] | None = None) -> GenerationResult:
-        """Generate the assistant's reply to `messages`; `on_delta` gets parsed deltas as they form."""
+                 on_delta: Callable[[StreamDelta], None] | None = None, *,
+                 stop: list[str] | tuple[str, ...] = (), logprobs: int | None = None,
+                 reuse_prefix: bool = False) -> GenerationResult:
+        """Generate the assistant's reply to `messages`; `on_delta` gets parsed deltas as they form.
+
+        Tools declared in the conversation (`tools` on a system/developer message) go to the output
+        parser. `stop`: strings that end the turn (not included in the text). `logprobs`: report
+        the chosen token's log-probability and this many alternatives per generated token.
+        `reuse_prefix`: keep the state's tokens when the prompt starts with them (multi-turn chat).
+        """
         prompt_ids = self.encode(messages, thinking_mode, reasoning_effort)
+        parser = _make_parser(thinking_mode, declared_tools(messages))
+        return self._run(prompt_ids, parser.feed, params, on_delta, stop, logprobs, reuse_prefix,
+                         finish=lambda: parser.flush(), message=lambda: parser.finish(strict=False))
+
+    def generate_raw(self, prompt: str, params: SamplingParams | None = None,
+                     on_delta: Callable[[StreamDelta], None] | None = None, *,
+                     stop: list[str] | tuple[str, ...] = (), logprobs: int | None = None) -> GenerationResult:
+        """Continue `prompt` as plain text: no chat template (the text is tokenized as it is, special
+        token strings included) and no output parsing (the whole completion is `content`)."""
+        prompt_ids = self.tokenizer.encode(prompt)
+        pieces: list[str] = []
+
+        def feed(text: str) -> StreamDelta:
+            pieces.append(text)
+            return StreamDelta(content=text)
+
+        def message() -> dict:
+            return {"role": "assistant", "reasoning_content": "", "content": "".join(pieces), "tool_calls": []}
+
+        return self._run(prompt_ids, feed, params, on_delta, stop, logprobs, False,
+                         finish=lambda: StreamDelta(), message=message)
+
+    def _run(self, prompt_ids, feed, params, on_delta, stop, logprobs, reuse_prefix, *, finish, message):
         decoder = IncrementalDecoder(self.tokenizer)
-        parser = StreamingParser(thinking_mode)
+        stops = StopStrings(stop)
 
         def emit(delta: StreamDelta) -> None:
             if on_delta is not None and delta:
                 on_delta(delta)
 
-        def on_token(token_id: int) -> None:
-            text = decoder.push(token_id)
-            if text:
-                emit(parser.feed(text))
+        stopped = False
 
-        done = self.complete(prompt_ids, params, on_token=on_token)
-        tail = decoder.flush()
-        if tail:
-            emit(parser.feed(tail))
-        emit(parser.flush())  # finish() would flush too, but silently: the held-back tail must stream
+        def on_token(token_id: int) -> bool:
+            nonlocal stopped
+            text, stopped = stops.push(decoder.push(token_id))
+            if text:
+                emit(feed(text))
+            return stopped
+
+        done = self.complete(prompt_ids, params, on_token=on_token, logprobs=logprobs, reuse_prefix=reuse_prefix)
+        if not stopped:  # text after a stop string is dropped; otherwise release what is held back
+            tail, stopped = stops.push(decoder.flush())
+            tail += "" if stopped else stops.flush()
+            if tail:
+                emit(feed(tail))
+        emit(finish())  # the parser's held-back tail must stream too
         # Non-strict: a truncated turn (no </think> or EOS) and a malformed one from a weak model still
         # return what was streamed; a well-formed turn gives exactly the official parser's result.
-        message = parser.finish(strict=False)
+        msg = message()
+        usage = {"prompt_tokens": done.prompt_tokens, "completion_tokens": len(done.token_ids),
+                 "total_tokens": done.prompt_tokens + len(done.token_ids),
+                 "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
         return GenerationResult(
-            role=message["role"], reasoning_content=message["reasoning_content"], content=message["content"],
-            tool_calls=message["tool_calls"], finish_reason=done.finish_reason,
-            usage={"prompt_tokens": done.prompt_tokens, "completion_tokens": len(done.token_ids),
-                   "total_tokens": done.prompt_tokens + len(done.token_ids)},
-            timings=done.timings, token_ids=done.token_ids)
+            role=msg["role"], reasoning_content=msg["reasoning_content"], content=msg["content"],
+            tool_calls=msg["tool_calls"], finish_reason=done.finish_reason, usage=usage, timings=done.timings,
+            unparsed=list(msg.get("unparsed") or []), logprobs=done.logprobs, token_ids=done.token_ids)
 
     def generate_ids(self, prompt_ids: list[int], params: SamplingParams | None = None) -> list[int]:
         """Generated token ids for raw prompt ids (no chat encoding or parsing)."""
         return self.complete(prompt_ids, params).token_ids
 
+    def reset(self) -> None:
+        """Forget the state's contents (the next request prefills its whole prompt)."""
+        self.state.reset()
+        self.state_ids = []
+
+    def _token_logprobs(self, logits: torch.Tensor, token: torch.Tensor, n: int) -> dict:
+        lp = torch.log_softmax(logits.float(), dim=-1)[0]
+        entry = {"id": int(token.item()), "logprob": float(lp[token.item()])}
+        entry["token"] = self.tokenizer.decode([entry["id"]])
+        if n > 0:
+            vals, idx = torch.topk(lp, n)
+            entry["top_logprobs"] = [{"id": int(i), "token": self.tokenizer.decode([int(i)]), "logprob": float(v)}
+                                     for v, i in zip(vals.tolist(), idx.tolist())]
+        else:
+            entry["top_logprobs"] = []
+        return {"token": entry["token"], "id": entry["id"], "logprob": entry["logprob"],
+                "top_logprobs": entry["top_logprobs"]}
+
     @torch.no_grad()
     def complete(self, prompt_ids: list[int], params: SamplingParams | None = None,
-                 on_token: Callable[[int], None] | None = None) -> Completion:
-        """Prefill `prompt_ids`, then sample until EOS, max_new_tokens or the context limit."""
+                 on_token: Callable[[int], bool | None] | None = None, *, logprobs: int | None = None,
+                 reuse_prefix: bool = False) -> Completion:
+        """Prefill `prompt_ids`, then sample until EOS, max_new_tokens, the context limit, `on_token`
+        returning True (a stop string: finish_reason "stop") or Ctrl-C (finish_reason "interrupted":
+        the tokens so far are returned, the KeyboardInterrupt is not re-raised).
+
+        logprobs N: per generated token, its log-probability under the model's distribution (before
+        temperature and filters) and the N most likely alternatives. reuse_prefix: when the prompt
+        starts with the tokens already in the state, prefill only the rest.
+        """
         params = params or self.defaults
         P = len(prompt_ids)
         if P == 0:
@@ -257,49 +446,66 @@ class Engine:
         vocab = self.model.cfg.vocab_size
         if not all(0 <= t < vocab for t in prompt_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")
 
-        self.state.reset()
+        cached = self.state_ids
+        if not (reuse_prefix and cached and len(cached) < P and prompt_ids[:len(cached)] == cached
+                and self.state.pos == len(cached)):
+            self.state.reset()
+            cached = []
+        start = len(cached)
+        self.state_ids = None  # unknown until this request ends cleanly
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.input_device)
-        t0 = time.perf_counter()
-        # Only the last position's logits are needed, so every chunk skips the LM head elsewhere.
-        for s in range(0, P, PREFILL_CHUNK):
-            logits = self.model(ids[:, s:s + PREFILL_CHUNK], self.state, last_only=True)
-        generator = make_generator(params, logits.device)
-
         out: list[int] = []
-        t_first = t0
-        while True:
-            token = sample(logits[:, -1], params, generator)
-            token_id = int(token.item())  # the one host sync per step
-            if not out:
-                t_first = time.perf_counter()
-            out.append(token_id)
-            if on_token is not None:
-                on_token(token_id)
-            if token_id in self.eos_ids:
-                finish = "stop"
-            elif len(out) >= params.max_new_tokens:
-                finish = "length"
-            elif P + len(out) >= self.max_context:
-                finish = "context"
-            elif self.runner is not None:
-                logits = self.runner.step(token_id, self.state.pos).view(1, 1, -1)
-                continue
-            else:
-                logits = self.model(token.view(1, 1).to(self.input_device), self.state, last_only=True)
-                continue
-            break
+        lps: list[dict] | None = [] if logprobs is not None else None
+        finish = "interrupted"
+        t0 = time.perf_counter()
+        t_first = None
+        try:
+            # Only the last position's logits are needed, so every chunk skips the LM head elsewhere.
+            for s in range(start, P, PREFILL_CHUNK):
+                logits = self.model(ids[:, s:s + PREFILL_CHUNK], self.state, last_only=True)
+            generator = make_generator(params, logits.device)
+            while True:
+                token = sample(logits[:, -1], params, generator)
+                token_id = int(token.item())  # the one host sync per step
+                if not out:
+                    t_first = time.perf_counter()
+                if lps is not None:
+                    lps.append(self._token_logprobs(logits[:, -1], token, logprobs))
+                out.append(token_id)
+                stop_text = on_token(token_id) if on_token is not None else False
+                if token_id in self.eos_ids or stop_text:
+                    finish = "stop"
+                elif len(out) >= params.max_new_tokens:
+                    finish = "length"
+                elif P + len(out) >= self.max_context:
+                    finish = "context"
+                elif self.runner is not None:
+                    logits = self.runner.step(token_id, self.state.pos).view(1, 1, -1)
+                    continue
+                else:
+                    logits = self.model(token.view(1, 1).to(self.input_device), self.state, last_only=True)
+                    continue
+                break
+            self.state_ids = list(prompt_ids) + out[:-1]  # the last token was sampled, never fed
+        except KeyboardInterrupt:
+            finish = "interrupted"  # state_ids stays None: a forward may have stopped half-way
         t_end = time.perf_counter()
 
+        if t_first is None:
+            t_first = t_end
         ttft, decode_s = t_first - t0, t_end - t_first
+        new = P - start
         timings = {
             "load_s": self.load_s,
             "ttft_s": ttft,  # prefill plus the first sample
-            "prefill_tok_s": P / ttft if ttft > 0 else None,
+            "prefill_tok_s": new / ttft if ttft > 0 and out else None,
             "decode_s": decode_s,
             "decode_tok_s": (len(out) - 1) / decode_s if len(out) > 1 and decode_s > 0 else None,
         }
-        return Completion(out, finish, P, timings)
+        return Completion(out, finish, P, timings, cached_tokens=start, logprobs=lps)
 
     def with_defaults(self, **overrides) -> SamplingParams:
         """This checkpoint's default SamplingParams with the given (non-None) fields replaced."""

@@ -14,8 +14,8 @@ import torch
 
 from dsv4.config import ModelConfig
 from dsv4.engine import (
-    PREFILL_CHUNK, REASONING_EFFORTS, ContextLengthError, Engine, EngineError, _defaults_from, check_devices,
-    parse_devices,
+    DEFAULT_CONTEXT, NO_OP_EFFORTS, PREFILL_CHUNK, REASONING_EFFORTS, ContextLengthError, Engine, EngineError,
+    StopStrings, _defaults_from, check_devices, default_max_context, inspect_model_dir, parse_devices,
 )
 from dsv4.model.layers import Numerics
 from dsv4.model.transformer import Transformer
@@ -178,7 +178,8 @@ def test_generate_streams_and_parses(engine, model, tokenizer, mode):
     assert "".join(d.reasoning for d in deltas) == reasoning
     assert "".join(d.content for d in deltas) == content
     assert r.usage == {"prompt_tokens": len(prompt), "completion_tokens": len(script),
-                       "total_tokens": len(prompt) + len(script)}
+                       "total_tokens": len(prompt) + len(script), "prompt_tokens_details": {"cached_tokens": 0}}
+    assert r.unparsed == [] and r.logprobs is None
     t = r.timings
     assert t["ttft_s"] > 0 and t["prefill_tok_s"] > 0 and t["decode_tok_s"] > 0 and t["load_s"] is None
 
@@ -229,6 +230,10 @@ def test_reasoning_effort_table_matches_encoder(engine):
             except AssertionError:
                 accepted = False
             assert accepted == (effort in REASONING_EFFORTS[release]), (release, effort)
+            if accepted:  # the no-op efforts render exactly the prompt without an effort
+                same = (encode_messages(msgs, "thinking", reasoning_effort=effort, release=release)
+                        == encode_messages(msgs, "thinking", release=release))
+                assert same == (effort in NO_OP_EFFORTS[release]), (release, effort)
     with pytest.raises(EngineError, match=r"effort 'low' is not accepted .*\(preview\); choose one of high, max"):
         engine.encode(msgs, reasoning_effort="low")
     with pytest.raises(EngineError, match="cannot encode the conversation"):
@@ -286,3 +291,125 @@ def test_cuda_graph_decode_generates_what_eager_decode_generates(tokenizer):
     for seed, n in ((0, 150), (1, 7)):
         ids = prompt_ids(n, seed)
         assert graphs.generate_ids(ids, greedy) == eager.generate_ids(ids, greedy)
+
+
+# ---- stop strings, log-probabilities, Ctrl-C, raw prompts, prefix reuse ------------------------------
+
+
+def test_stop_strings_cut_the_stream():
+    s = StopStrings(["STOP", "<end>"])
+    assert s.push("Hello S") == ("Hello ", False)  # "S" may start STOP: held
+    assert s.push("T") == ("", False)
+    assert s.push("x <e") == ("STx ", False)
+    assert s.push("nd> after") == ("", True)
+    assert StopStrings([]).push("STOP") == ("STOP", False)
+    t = StopStrings(["ab"])
+    assert t.push("xa") == ("x", False) and t.flush() == "a"
+
+
+def test_stop_string_ends_the_turn(engine, model, tokenizer):
+    msgs = [{"role": "user", "content": "Hello"}]
+    script = tokenizer.encode("Hello there. STOP here and more text<｜end▁of▁sentence｜>")
+    deltas = []
+    with forced(model, script, start=len(engine.encode(msgs, "chat"))):
+        r = engine.generate(msgs, "chat", params=SamplingParams(temperature=0, max_new_tokens=40),
+                            on_delta=deltas.append, stop=["STOP", "never"])
+    assert (r.content, r.finish_reason) == ("Hello there. ", "stop")
+    assert "".join(d.content for d in deltas) == "Hello there. "
+    n = next(i for i in range(len(script)) if "STOP" in tokenizer.decode(script[:i + 1]))
+    assert r.token_ids == script[:n + 1]  # generation stopped at the token completing the stop string
+
+
+def test_logprobs(engine, model):
+    msgs = [{"role": "user", "content": "Hi"}]
+    r = engine.generate(msgs, params=SamplingParams(temperature=0, max_new_tokens=3), logprobs=4)
+    assert len(r.logprobs) == 3 and "logprobs" in r.to_dict()
+    seq = engine.encode(msgs)
+    for i, entry in enumerate(r.logprobs):
+        with torch.no_grad():
+            logits = model(torch.tensor([seq]), model.new_state(len(seq)), last_only=True)[0, -1]
+        lp = torch.log_softmax(logits.float(), -1)
+        assert entry["id"] == r.token_ids[i] == int(lp.argmax())  # greedy: the chosen one is the best
+        assert entry["logprob"] == pytest.approx(float(lp.max()), abs=1e-4)
+        assert [a["id"] for a in entry["top_logprobs"]] == lp.topk(4).indices.tolist()
+        assert entry["top_logprobs"][0]["logprob"] == pytest.approx(entry["logprob"], abs=1e-6)
+        assert entry["token"] == engine.tokenizer.decode([entry["id"]])
+        seq.append(entry["id"])
+    r0 = engine.generate(msgs, params=SamplingParams(temperature=0, max_new_tokens=2), logprobs=0)
+    assert [e["top_logprobs"] for e in r0.logprobs] == [[], []]
+    assert "logprobs" not in engine.generate(msgs, params=SamplingParams(max_new_tokens=1)).to_dict()
+    with pytest.raises(ValueError, match=r"logprobs must be in \[0, 20\]"):
+        engine.complete(seq, GREEDY, logprobs=21)
+
+
+def test_ctrl_c_returns_the_partial_turn(engine):
+    seen = []
+
+    def on_token(token_id):
+        seen.append(token_id)
+        if len(seen) == 3:
+            raise KeyboardInterrupt
+
+    done = engine.complete(prompt_ids(12), SamplingParams(temperature=0, max_new_tokens=50), on_token=on_token)
+    assert done.finish_reason == "interrupted" and done.token_ids == seen and len(seen) == 3
+    assert engine.state_ids is None  # the state is not trusted for reuse after an interruption
+    # the next request starts afresh and equals an uninterrupted run
+    assert engine.generate_ids(prompt_ids(12), SamplingParams(temperature=0, max_new_tokens=3)) == seen
+
+
+def test_raw_prompt_is_not_templated(engine):
+    r = engine.generate_raw("Once upon a time", SamplingParams(temperature=0, max_new_tokens=5))
+    ids = engine.tokenizer.encode("Once upon a time")
+    assert r.usage["prompt_tokens"] == len(ids)
+    assert r.token_ids == engine.generate_ids(ids, SamplingParams(temperature=0, max_new_tokens=5))
+    assert r.content == engine.tokenizer.decode(r.token_ids) and r.reasoning_content == ""
+
+
+def test_multi_turn_reuses_the_prefix(model, tokenizer):
+    eng = Engine(model, tokenizer, max_context=512)
+    reply = "Hi there!<｜end▁of▁sentence｜>"
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    first = eng.encode(msgs, "chat")
+    with forced(model, tokenizer.encode(reply), start=len(first)):
+        r1 = eng.generate(msgs, "chat", params=GREEDY, reuse_prefix=True)
+    assert r1.content == "Hi there!" and r1.usage["prompt_tokens_details"]["cached_tokens"] == 0
+    # the state holds the prompt and the reply except its EOS (sampled, never fed)
+    assert eng.state_ids == first + tokenizer.encode(reply)[:-1] and eng.state.pos == len(eng.state_ids)
+    msgs += [r1.message(), {"role": "user", "content": "How are you?"}]
+    second = eng.encode(msgs, "chat")
+    assert second[:len(eng.state_ids)] == eng.state_ids  # the encoding extends what was generated
+    r2 = eng.generate(msgs, "chat", params=GREEDY, reuse_prefix=True)
+    assert r2.usage["prompt_tokens_details"]["cached_tokens"] == len(first) + len(tokenizer.encode(reply)) - 1
+    fresh = Engine(model, tokenizer, max_context=512).generate(msgs, "chat", params=GREEDY)
+    assert r2.token_ids == fresh.token_ids and fresh.usage["prompt_tokens_details"]["cached_tokens"] == 0
+    # a prompt that does not extend the state (or reuse_prefix=False) starts afresh
+    r3 = eng.generate(msgs[:2], "chat", params=GREEDY, reuse_prefix=True)
+    assert r3.usage["prompt_tokens_details"]["cached_tokens"] == 0
+    eng.reset()
+    assert eng.state_ids == [] and eng.state.pos == 0
+
+
+def test_default_max_context():
+    assert default_max_context(["cpu"], 1 << 20) == DEFAULT_CONTEXT["cpu"] == 4096
+    assert default_max_context(["cuda:0", "cuda:1"], 1 << 20) == DEFAULT_CONTEXT["cuda"] == 32768
+    assert default_max_context(["cpu"], 1024) == 1024  # capped by the model
+
+
+def test_inspect_model_dir_rejects_a_foreign_tokenizer(tmp_path, tokenizer):
+    import json
+    import shutil
+
+    from dsv4.writer import TINY_CONFIG, checkpoint_config
+
+    (tmp_path / "config.json").write_text(json.dumps(checkpoint_config(TINY_CONFIG, "bf16")))
+    shutil.copy(tokenizer.path, tmp_path / "tokenizer.json")
+    with pytest.raises(EngineError) as e:
+        inspect_model_dir(tmp_path)
+    assert str(e.value) == (
+        f"checkpoint {tmp_path}: tokenizer.json has 129280 tokens but config.json's vocab_size is 512: the "
+        "tokenizer does not belong to this model (ids >= 512 have no embedding); put the model's own "
+        "tokenizer.json beside config.json")
+    with pytest.raises(EngineError, match="does not exist"):
+        inspect_model_dir(tmp_path / "nope")
+    with pytest.raises(EngineError, match="is not a directory"):
+        inspect_model_dir(tmp_path / "config.json")
