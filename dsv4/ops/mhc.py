@@ -50,6 +50,13 @@ def mhc_head_ref(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
 
 
 def register_ops(register) -> None:
-    register("mhc_pre", mhc_pre_ref, doc="mHC pre: mixes, Sinkhorn, stream collapse (fp32)")
-    register("mhc_post", mhc_post_ref, doc="mHC post: post * f + comb^T @ streams (fp32)")
-    register("mhc_head", mhc_head_ref, doc="head hyper-connection: sigmoid-weighted stream sum")
+    try:
+        from dsv4.ops import mhc_triton as fast
+    except ImportError:  # no Triton here: the references run
+        fast = None
+    register("mhc_pre", mhc_pre_ref, getattr(fast, "mhc_pre", None), interpretable=True,
+             doc="mHC pre: mixes, Sinkhorn, stream collapse (fp32)")
+    register("mhc_post", mhc_post_ref, getattr(fast, "mhc_post", None), interpretable=True,
+             doc="mHC post: post * f + comb^T @ streams (fp32)")
+    register("mhc_head", mhc_head_ref, getattr(fast, "mhc_head", None), interpretable=True,
+             doc="head hyper-connection: sigmoid-weighted stream sum")

@@ -1,0 +1,178 @@
+"""Triton fast paths of the mHC ops (same signatures as dsv4/ops/mhc.py's references).
+
+mhc_pre / mhc_head take two launches per call, whatever the token count T:
+1. `_mix_partial`: grid (T, K/BLOCK_K) over the flattened streams (K = hc*D): each program takes one
+   K-slice of one token and writes its partial dot products with every mixer row (fn [mix, K], fp32)
+   and its partial sum of squares (so the 1.5 MB mixer is streamed by many CTAs, not one);
+2. `_pre_finish` / `_head_finish`: grid (T, D/BLOCK_D): reduce the partials in a fixed order (same
+   input, same bits), scale by rsqrt(mean(x^2) + eps) after the projection (DeepSeek's order), the
+   sigmoids, for mhc_pre the Sinkhorn normalisation of the hc x hc comb in registers (row softmax + eps,
+   column first, then iters-1 x (row, column), every division by sum + hc_eps), then the weighted stream
+   sum y = sum_j pre_j X_j for its D-slice. Program (t, 0) writes post and comb.
+mhc_post is one launch: out_k = sum_j comb[j,k] X_j + post_k f, fp32, cast to the streams' dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_K = 512
+BLOCK_D = 512
+
+
+@triton.jit
+def _mix_partial(x_ptr, fn_ptr, part_ptr, sq_ptr, K, NCH,
+                 MIX: tl.constexpr, MIX_P: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    c = tl.program_id(1)
+    ks = c * BLOCK + tl.arange(0, BLOCK)
+    km = ks < K
+    x = tl.load(x_ptr + t * K + ks, mask=km, other=0.0).to(tl.float32)
+    rows = tl.arange(0, MIX_P)
+    w = tl.load(fn_ptr + rows[:, None] * K + ks[None, :], mask=(rows[:, None] < MIX) & km[None, :], other=0.0)
+    dots = tl.sum(w * x[None, :], axis=1)  # [MIX_P]
+    tl.store(part_ptr + (t * NCH + c) * MIX_P + rows, dots)
+    tl.store(sq_ptr + t * NCH + c, tl.sum(x * x, axis=0))
+
+
+@triton.jit
+def _mixes(part_ptr, sq_ptr, t, K, NCH, eps, OFF: tl.constexpr, N: tl.constexpr, MIX_P: tl.constexpr,
+           NCH_P: tl.constexpr):
+    # the N mixes starting at OFF of token t: reduced partials, scaled by the rsqrt statistic
+    ch = tl.arange(0, NCH_P)
+    cm = ch < NCH
+    cols = OFF + tl.arange(0, N)
+    p = tl.load(part_ptr + (t * NCH + ch[:, None]) * MIX_P + cols[None, :], mask=cm[:, None], other=0.0)
+    sq = tl.sum(tl.load(sq_ptr + t * NCH + ch, mask=cm, other=0.0), axis=0)
+    r = 1.0 / tl.sqrt(sq / K + eps)
+    return tl.sum(p, axis=0) * r
+
+
+@triton.jit
+def _weighted_sum(x_ptr, y_ptr, pre, t, D, HC: tl.constexpr, BLOCK: tl.constexpr):
+    d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    dm = d < D
+    j = tl.arange(0, HC)
+    x = tl.load(x_ptr + (t * HC + j[:, None]) * D + d[None, :], mask=dm[None, :], other=0.0).to(tl.float32)
+    y = tl.sum(pre[:, None] * x, axis=0)
+    tl.store(y_ptr + t * D + d, y.to(y_ptr.dtype.element_ty), mask=dm)
+
+
+@triton.jit
+def _pre_finish(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, y_ptr, post_ptr, comb_ptr, D, K, NCH, iters,
+                hc_eps, norm_eps, HC: tl.constexpr, MIX_P: tl.constexpr, NCH_P: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    j = tl.arange(0, HC)
+    s0 = tl.load(scale_ptr)
+    s1 = tl.load(scale_ptr + 1)
+    s2 = tl.load(scale_ptr + 2)
+    m_pre = _mixes(part_ptr, sq_ptr, t, K, NCH, norm_eps, 0, HC, MIX_P, NCH_P)
+    pre = tl.sigmoid(m_pre * s0 + tl.load(base_ptr + j)) + hc_eps
+    if tl.program_id(1) == 0:
+        m_post = _mixes(part_ptr, sq_ptr, t, K, NCH, norm_eps, HC, HC, MIX_P, NCH_P)
+        post = 2.0 * tl.sigmoid(m_post * s1 + tl.load(base_ptr + HC + j))
+        tl.store(post_ptr + t * HC + j, post)
+        m_c = _mixes(part_ptr, sq_ptr, t, K, NCH, norm_eps, 2 * HC, HC * HC, MIX_P, NCH_P)
+        cc = tl.reshape(m_c * s2 + tl.load(base_ptr + 2 * HC + tl.arange(0, HC * HC)), (HC, HC))
+        e = tl.exp(cc - tl.max(cc, axis=1)[:, None])
+        comb = e / tl.sum(e, axis=1)[:, None] + hc_eps
+        comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)  # column normalisation first
+        for _ in range(iters - 1):
+            comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
+            comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+        tl.store(comb_ptr + t * HC * HC + j[:, None] * HC + j[None, :], comb)
+    _weighted_sum(x_ptr, y_ptr, pre, t, D, HC, BLOCK)
+
+
+@triton.jit
+def _head_finish(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, y_ptr, D, K, NCH, hc_eps, norm_eps,
+                 HC: tl.constexpr, MIX_P: tl.constexpr, NCH_P: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    j = tl.arange(0, HC)
+    m = _mixes(part_ptr, sq_ptr, t, K, NCH, norm_eps, 0, HC, MIX_P, NCH_P)
+    pre = tl.sigmoid(m * tl.load(scale_ptr) + tl.load(base_ptr + j)) + hc_eps
+    _weighted_sum(x_ptr, y_ptr, pre, t, D, HC, BLOCK)
+
+
+@triton.jit
+def _post_kernel(f_ptr, x_ptr, post_ptr, comb_ptr, o_ptr, D, HC: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    dm = d < D
+    k = tl.arange(0, HC)
+    acc = tl.zeros((HC, BLOCK), dtype=tl.float32)
+    for jj in tl.static_range(HC):
+        xj = tl.load(x_ptr + (t * HC + jj) * D + d, mask=dm, other=0.0).to(tl.float32)
+        cj = tl.load(comb_ptr + (t * HC + jj) * HC + k)  # comb[j, :]
+        acc += cj[:, None] * xj[None, :]
+    f = tl.load(f_ptr + t * D + d, mask=dm, other=0.0).to(tl.float32)
+    out = acc + tl.load(post_ptr + t * HC + k)[:, None] * f[None, :]
+    tl.store(o_ptr + (t * HC + k[:, None]) * D + d[None, :], out.to(o_ptr.dtype.element_ty), mask=dm[None, :])
+
+
+def _check(x: torch.Tensor, fn: torch.Tensor, hc: int, mix: int, name: str) -> None:
+    if x.dim() != 4 or x.shape[2] != hc:
+        raise ValueError(f"{name}: x must be [B, S, {hc}, D], got {tuple(x.shape)}")
+    if hc & (hc - 1):
+        raise ValueError(f"{name}: hc={hc} must be a power of two")
+    K = hc * x.shape[3]
+    if tuple(fn.shape) != (mix, K) or fn.dtype != torch.float32:
+        raise ValueError(f"{name}: fn must be float32 [{mix}, {K}], got {fn.dtype}{tuple(fn.shape)}")
+
+
+def _partials(x: torch.Tensor, fn: torch.Tensor, mix: int):
+    T, K = x.shape[0] * x.shape[1], x.shape[2] * x.shape[3]
+    nch = triton.cdiv(K, BLOCK_K)
+    mix_p = triton.next_power_of_2(mix)
+    part = torch.empty(T, nch, mix_p, dtype=torch.float32, device=x.device)
+    sq = torch.empty(T, nch, dtype=torch.float32, device=x.device)
+    _mix_partial[(T, nch)](x, fn, part, sq, K, nch, MIX=mix, MIX_P=mix_p, BLOCK=BLOCK_K)
+    return T, K, nch, mix_p, part, sq
+
+
+def mhc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, iters: int,
+            hc_eps: float, norm_eps: float):
+    """x: [B,S,hc,D] -> y: [B,S,D] (x.dtype), post: [B,S,hc] fp32, comb: [B,S,hc,hc] fp32."""
+    mix = (2 + hc) * hc
+    _check(x, fn, hc, mix, "mhc_pre")
+    if iters < 1:
+        raise ValueError(f"mhc_pre: iters must be >= 1, got {iters}")
+    x = x.contiguous()
+    B, S, _, D = x.shape
+    T, K, nch, mix_p, part, sq = _partials(x, fn.contiguous(), mix)
+    y = torch.empty(B, S, D, dtype=x.dtype, device=x.device)
+    post = torch.empty(B, S, hc, dtype=torch.float32, device=x.device)
+    comb = torch.empty(B, S, hc, hc, dtype=torch.float32, device=x.device)
+    _pre_finish[(T, triton.cdiv(D, BLOCK_D))](
+        x, part, sq, base.float().contiguous(), scale.float().contiguous(), y, post, comb, D, K, nch, iters,
+        hc_eps, norm_eps, HC=hc, MIX_P=mix_p, NCH_P=triton.next_power_of_2(nch), BLOCK=BLOCK_D)
+    return y, post, comb
+
+
+def mhc_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
+             norm_eps: float) -> torch.Tensor:
+    """x: [B,S,hc,D] -> [B,S,D] (x.dtype)."""
+    hc = x.shape[2] if x.dim() == 4 else -1
+    _check(x, fn, hc, hc, "mhc_head")
+    x = x.contiguous()
+    B, S, _, D = x.shape
+    T, K, nch, mix_p, part, sq = _partials(x, fn.contiguous(), hc)
+    y = torch.empty(B, S, D, dtype=x.dtype, device=x.device)
+    _head_finish[(T, triton.cdiv(D, BLOCK_D))](
+        x, part, sq, base.float().contiguous(), scale.float().contiguous(), y, D, K, nch, hc_eps, norm_eps,
+        HC=hc, MIX_P=mix_p, NCH_P=triton.next_power_of_2(nch), BLOCK=BLOCK_D)
+    return y
+
+
+def mhc_post(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """f: [B,S,D], x: [B,S,hc,D] -> [B,S,hc,D] in x.dtype."""
+    if x.dim() != 4 or f.shape != x.shape[:2] + x.shape[3:]:
+        raise ValueError(f"mhc_post: f {tuple(f.shape)} and x {tuple(x.shape)} must be [B,S,D] and [B,S,hc,D]")
+    B, S, hc, D = x.shape
+    x, f = x.contiguous(), f.contiguous()
+    out = torch.empty_like(x)
+    _post_kernel[(B * S, triton.cdiv(D, BLOCK_D))](f, x, post.float().contiguous(), comb.float().contiguous(), out,
+                                                   D, HC=hc, BLOCK=BLOCK_D)
+    return out

@@ -1,0 +1,53 @@
+"""Suite-wide setup: the shared test data folder is required, never silently skipped.
+
+Golden files (official encoder outputs, encoding/parse/tokenizer vectors, the official Flash
+config.json) live in `../shared/dsv4/` beside the clone; CI always has it there. Tests that use it
+(fixture `shared_dsv4`, or the vector fixtures of tests/encoding) are marked `shared`. When the
+folder is missing and any selected test needs it, the run stops before the first test with one
+message naming the folder; `-m "not shared"` runs the rest. A test that reads the folder on its own
+and skips when it is absent fails with the same message instead.
+"""
+
+from pathlib import Path
+
+import pytest
+
+SHARED_DSV4 = Path(__file__).resolve().parents[1].parent / "shared" / "dsv4"
+NEEDS_SHARED = {"shared_dsv4", "encode_case", "parse_case", "tokenizer_case"}  # fixtures that read it
+MISSING = (f"the shared test data folder {SHARED_DSV4} is missing (../shared/dsv4 beside the clone: the "
+           "official encoder outputs, encoding vectors and the official config.json the tests compare "
+           "against); put it there, or run the other tests with -m 'not shared'")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "shared: needs the shared test data folder ../shared/dsv4")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selection reads the markers
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if NEEDS_SHARED & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.shared)
+
+
+def pytest_collection_finish(session):
+    if SHARED_DSV4.is_dir():
+        return
+    n = sum(1 for item in session.items if item.get_closest_marker("shared"))
+    if n:
+        pytest.exit(f"{n} selected tests need shared data: {MISSING}", returncode=pytest.ExitCode.USAGE_ERROR)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    if report.skipped and not SHARED_DSV4.is_dir() and str(SHARED_DSV4) in str(report.longrepr):
+        report.outcome, report.longrepr = "failed", MISSING
+
+
+@pytest.fixture(scope="session")
+def shared_dsv4() -> Path:
+    """The shared test data folder (tests/encoding has its own fixture of the same name)."""
+    if not SHARED_DSV4.is_dir():
+        pytest.fail(MISSING)
+    return SHARED_DSV4

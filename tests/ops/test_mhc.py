@@ -1,0 +1,91 @@
+"""Fast mHC ops (dsv4/ops/mhc_triton.py) against their references: interpreted Triton on the CPU at small
+shapes (tests/conftest.py sets TRITON_INTERPRET=1 there), Flash shapes and graph capture on a GPU."""
+
+import pytest
+import torch
+
+from dsv4.testing import assert_close_rel
+
+CUDA = torch.cuda.is_available()
+
+
+def _fast():
+    try:
+        from dsv4.ops import mhc_triton
+    except ImportError:
+        pytest.skip("Triton is not installed")
+    return mhc_triton
+
+
+def _inputs(B, S, D, dev, dtype=torch.bfloat16, seed=0, hc=4):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    mix = (2 + hc) * hc
+    x = torch.randn(B, S, hc, D, generator=g).to(dtype)
+    fn = torch.randn(mix, hc * D, generator=g) * 0.5 * (hc * D) ** -0.5
+    base = torch.randn(mix, generator=g) * 0.5
+    scale = 1 + torch.randn(3, generator=g) * 0.3
+    return [t.to(dev) for t in (x, fn, base, scale)]
+
+
+def _check_pre(B, S, D, dev, dtype=torch.bfloat16):
+    from dsv4.ops.mhc import mhc_post_ref, mhc_pre_ref
+
+    fast = _fast()
+    x, fn, base, scale = _inputs(B, S, D, dev, dtype, seed=D + S)
+    y, post, comb = fast.mhc_pre(x, fn, base, scale, 4, 20, 1e-6, 1e-6)
+    ry, rpost, rcomb = mhc_pre_ref(x, fn, base, scale, 4, 20, 1e-6, 1e-6)
+    out_name = "op_fp32_out" if dtype == torch.float32 else "op_bf16_out"
+    assert_close_rel(y, ry, out_name)
+    assert_close_rel(post, rpost, "op_fp32_out")
+    assert_close_rel(comb, rcomb, "op_fp32_out")
+    f = torch.randn(B, S, D, generator=torch.Generator().manual_seed(1)).to(dtype).to(dev)
+    assert_close_rel(fast.mhc_post(f, x, rpost, rcomb), mhc_post_ref(f, x, rpost, rcomb), out_name)
+
+
+def _check_head(B, S, D, dev):
+    from dsv4.ops.mhc import mhc_head_ref
+
+    fast = _fast()
+    x, _, _, _ = _inputs(B, S, D, dev)
+    g = torch.Generator().manual_seed(5)
+    fn = (torch.randn(4, 4 * D, generator=g) * (4 * D) ** -0.5).to(dev)
+    base, scale = torch.randn(4, generator=g).to(dev), torch.tensor([1.2]).to(dev)
+    assert_close_rel(fast.mhc_head(x, fn, base, scale, 1e-6, 1e-6), mhc_head_ref(x, fn, base, scale, 1e-6, 1e-6),
+                     "op_bf16_out")
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreted tier runs where there is no GPU")
+@pytest.mark.parametrize("B,S,D", [(1, 1, 64), (1, 3, 96), (2, 2, 128)])
+def test_interpreted_small(B, S, D):
+    _check_pre(B, S, D, "cpu")
+    _check_pre(B, S, D, "cpu", torch.float32)
+    _check_head(B, S, D, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("S", [1, 4, 128, 37])
+def test_flash_shapes(S):
+    _check_pre(1, S, 4096, "cuda")
+    _check_head(1, S, 4096, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_graph_replay_equals_eager():
+    fast = _fast()
+    x, fn, base, scale = _inputs(1, 1, 4096, "cuda")
+    f = torch.randn(1, 1, 4096, device="cuda").to(torch.bfloat16)
+    step = lambda: fast.mhc_post(f, x, *fast.mhc_pre(x, fn, base, scale, 4, 20, 1e-6, 1e-6)[1:])  # noqa: E731
+    want = step()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = step()
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
