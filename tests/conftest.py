@@ -1,4 +1,9 @@
-"""Suite-wide setup: the shared test data folder is required, never silently skipped.
+"""Suite-wide setup: Triton's interpreter on machines without CUDA, and the shared test data folder,
+which is required, never silently skipped.
+
+Triton decides "interpreted or compiled" when it and each @triton.jit function are first imported, so
+without CUDA TRITON_INTERPRET=1 is set here, before any test module imports a kernel (the fast ops'
+CPU tier, e.g. tests/ops/test_mhc.py, relies on it).
 
 Golden files (official encoder outputs, encoding/parse/tokenizer vectors, the official Flash
 config.json) live in `../shared/dsv4/` beside the clone; CI always has it there. Tests that use it
@@ -8,9 +13,14 @@ message naming the folder; `-m "not shared"` runs the rest. A test that reads th
 and skips when it is absent fails with the same message instead.
 """
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 SHARED_DSV4 = Path(__file__).resolve().parents[1].parent / "shared" / "dsv4"
 NEEDS_SHARED = {"shared_dsv4", "encode_case", "parse_case", "tokenizer_case"}  # fixtures that read it

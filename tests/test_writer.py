@@ -298,15 +298,9 @@ def test_truncate_layers_keeps_mtp_entry():
         truncate_layers(FLASH_CONFIG, 44)
 
 
-def test_flash_name_table_matches_the_release():
+def test_flash_name_table_matches_the_release(shared_dsv4):
     """The official Flash checkpoint: 69,187 tensors, 159,609,485,896 bytes (SPEC 3.1)."""
-    raw = (
-        json.loads((REPO.parent / "shared" / "dsv4" / "files" / "config.json").read_text())
-        if (REPO.parent / "shared" / "dsv4" / "files" / "config.json").is_file()
-        else None
-    )
-    if raw is not None:
-        assert raw == FLASH_CONFIG
+    assert json.loads((shared_dsv4 / "files" / "config.json").read_text()) == FLASH_CONFIG
     cfg = ModelConfig.from_dict(checkpoint_config(FLASH_CONFIG, "fp8"))
     spec = expected_tensors(cfg)
     assert len(spec) == 69187
