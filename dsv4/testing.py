@@ -31,6 +31,12 @@ TOLERANCES: dict[str, tuple[float, str]] = {
         "fp32 accumulation in another order, then one bf16 rounding: an output can land one bf16 ulp "
         "(2^-8 relative) away, i.e. <= 2^-8 of the largest output, plus fp32 noise; 2 ulps of margin",
     ),
+    "op_bf16_stat": (
+        1.6e-2,
+        "a statistic rounded in bf16 (mean, + eps, rsqrt: DeepSeek's q head norm) summed in another fp32 order "
+        "can land one bf16 ulp away, scaling the row by 1 +- 2^-8 before RoPE mixes two elements: "
+        "<= 2 * 2^-8 of the largest output, plus the output rounding",
+    ),
     "op_fp32_out": (
         2e-5,
         "fp32 accumulation in another order over K <= 16384 terms: ~sqrt(K) * 2^-24 relative, observed < 5e-6",
@@ -39,6 +45,13 @@ TOLERANCES: dict[str, tuple[float, str]] = {
         8e-3,
         "64-slot online softmax in the same order with fp32 sums; only the dot-product summation order "
         "differs, which can flip one bf16 rounding of P or of the output (2^-8 relative)",
+    ),
+    "op_attention_split": (
+        1.2e-2,
+        "decode split-KV: each split rounds bf16(P) against its own running max, not the sequential walk's, "
+        "so every P may land one bf16 ulp away; these average over the list and moved the fp32 output by "
+        "<= 2.3e-3 of max|o| in tests/ops (the reference itself is ~1.9e-3 from exact softmax); plus one "
+        "bf16 flip of the output (<= 2^-7 of it): 2.3e-3 + 7.8e-3, rounded up",
     ),
 }
 

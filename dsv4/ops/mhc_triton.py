@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4.ops.triton_util import cast
+
 BLOCK_K = 512
 BLOCK_D = 512
 
@@ -57,7 +59,7 @@ def _weighted_sum(x_ptr, y_ptr, pre, t, D, HC: tl.constexpr, BLOCK: tl.constexpr
     j = tl.arange(0, HC)
     x = tl.load(x_ptr + (t * HC + j[:, None]) * D + d[None, :], mask=dm[None, :], other=0.0).to(tl.float32)
     y = tl.sum(pre[:, None] * x, axis=0)
-    tl.store(y_ptr + t * D + d, y.to(y_ptr.dtype.element_ty), mask=dm)
+    tl.store(y_ptr + t * D + d, cast(y, y_ptr.dtype.element_ty), mask=dm)
 
 
 @triton.jit
@@ -109,7 +111,7 @@ def _post_kernel(f_ptr, x_ptr, post_ptr, comb_ptr, o_ptr, D, HC: tl.constexpr, B
         acc += cj[:, None] * xj[None, :]
     f = tl.load(f_ptr + t * D + d, mask=dm, other=0.0).to(tl.float32)
     out = acc + tl.load(post_ptr + t * HC + k)[:, None] * f[None, :]
-    tl.store(o_ptr + (t * HC + k[:, None]) * D + d[None, :], out.to(o_ptr.dtype.element_ty), mask=dm[None, :])
+    tl.store(o_ptr + (t * HC + k[:, None]) * D + d[None, :], cast(out, o_ptr.dtype.element_ty), mask=dm[None, :])
 
 
 def _check(x: torch.Tensor, fn: torch.Tensor, hc: int, mix: int, name: str) -> None:

@@ -49,6 +49,13 @@ def kv_norm_rope_ref(kv: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.T
 
 
 def register_ops(register) -> None:
-    register("rope", rope_ref, doc="interleaved RoPE on the last dims (and its inverse)")
-    register("q_norm_rope", q_norm_rope_ref, doc="per-head RMS of q + RoPE")
-    register("kv_norm_rope", kv_norm_rope_ref, doc="kv_norm + RoPE + FP8 KV simulation")
+    try:
+        from dsv4.ops import norm_rope_triton as fast
+    except ImportError:  # no Triton here: the references run
+        fast = None
+    register("rope", rope_ref, getattr(fast, "rope", None), interpretable=True,
+             doc="interleaved RoPE on the last dims (and its inverse)")
+    register("q_norm_rope", q_norm_rope_ref, getattr(fast, "q_norm_rope", None), interpretable=True,
+             doc="per-head RMS of q + RoPE")
+    register("kv_norm_rope", kv_norm_rope_ref, getattr(fast, "kv_norm_rope", None), interpretable=True,
+             doc="kv_norm + RoPE + FP8 KV simulation")

@@ -1,0 +1,188 @@
+"""Triton fast paths of the norm / RoPE ops (same signatures as dsv4/ops/norm.py and dsv4/ops/rope.py).
+
+One launch each, one program per row (a token, or a token's head), the whole row in registers:
+- rmsnorm: fp32 statistic and scaling by the fp32-upcast weight, one rounding to the input dtype;
+- rope: interleaved pairs on the last 2*len(cos) dims, fp32 math, inverse = conjugate;
+- q_norm_rope: the per-head unweighted RMS (under reference numerics the statistic is taken in the
+  activation dtype with its roundings: bf16(q*q), bf16(mean), bf16(rsqrt(bf16(mean + eps))), bf16(q*r)),
+  then RoPE;
+- kv_norm_rope: weighted RMSNorm, RoPE, then the FP8 simulation of the first `fp8_nope` dims in blocks
+  of 64 (amax floored at 1e-4, scale 2^ceil(log2(amax/448)) from the exponent bits, e4m3 RNE).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4.ops.triton_util import cast, e4m3_round, round_to
+
+
+@triton.jit
+def _rope_pairs(a, b, cos, sin, INVERSE: tl.constexpr):
+    if INVERSE:
+        sin = -sin
+    return a * cos - b * sin, a * sin + b * cos
+
+
+@triton.jit
+def _apply_rope(row_ptr, out_ptr, cs_ptr, sn_ptr, t, D, RD2: tl.constexpr, INVERSE: tl.constexpr, x_base, o_base):
+    # rotate the last 2*RD2 dims of a row (already written to out) in fp32 and store them
+    i = tl.arange(0, RD2)
+    a = tl.load(row_ptr + x_base + D - 2 * RD2 + 2 * i).to(tl.float32)
+    b = tl.load(row_ptr + x_base + D - 2 * RD2 + 2 * i + 1).to(tl.float32)
+    c = tl.load(cs_ptr + t * RD2 + i)
+    s = tl.load(sn_ptr + t * RD2 + i)
+    ra, rb = _rope_pairs(a, b, c, s, INVERSE)
+    tl.store(out_ptr + o_base + D - 2 * RD2 + 2 * i, cast(ra, out_ptr.dtype.element_ty))
+    tl.store(out_ptr + o_base + D - 2 * RD2 + 2 * i + 1, cast(rb, out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _rmsnorm_kernel(x_ptr, w_ptr, o_ptr, D, eps, BLOCK: tl.constexpr):
+    r = tl.program_id(0)
+    d = tl.arange(0, BLOCK)
+    m = d < D
+    x = tl.load(x_ptr + r * D + d, mask=m, other=0.0).to(tl.float32)
+    x = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps))
+    w = tl.load(w_ptr + d, mask=m, other=0.0).to(tl.float32)
+    tl.store(o_ptr + r * D + d, cast(w * x, o_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _rope_kernel(x_ptr, cs_ptr, sn_ptr, o_ptr, S, H, D, RD2: tl.constexpr, INVERSE: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    r = tl.program_id(0)  # row = (batch * S + token) * H + head
+    t = (r // H) % S
+    d = tl.arange(0, BLOCK)
+    m = d < D - 2 * RD2
+    tl.store(o_ptr + r * D + d, tl.load(x_ptr + r * D + d, mask=m), mask=m)  # the no-RoPE dims
+    _apply_rope(x_ptr, o_ptr, cs_ptr, sn_ptr, t, D, RD2, INVERSE, r * D, r * D)
+
+
+@triton.jit
+def _q_norm_rope_kernel(x_ptr, cs_ptr, sn_ptr, o_ptr, S, H, D, eps, RD2: tl.constexpr, LOW: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    r = tl.program_id(0)
+    t = (r // H) % S
+    d = tl.arange(0, BLOCK)
+    m = d < D
+    x = tl.load(x_ptr + r * D + d, mask=m, other=0.0)
+    if LOW:  # the statistic in the activation dtype, rounding where DeepSeek's bf16 ops round
+        dt: tl.constexpr = x.dtype
+        xf = x.to(tl.float32)
+        sq = round_to(xf * xf, dt)
+        mean = round_to(tl.sum(sq, axis=0) / D, dt)
+        rs = round_to(1.0 / tl.sqrt(round_to(mean + eps, dt)), dt)
+        y = cast(xf * rs, dt)
+    else:
+        xf = x.to(tl.float32)
+        rs = round_to(1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps), x.dtype)
+        y = cast(xf * rs, x.dtype)
+    tl.store(o_ptr + r * D + d, y, mask=m)
+    tl.debug_barrier()
+    _apply_rope(o_ptr, o_ptr, cs_ptr, sn_ptr, t, D, RD2, False, r * D, r * D)
+
+
+@triton.jit
+def _ue8m0(v):
+    # 2^ceil(log2(v)) for positive normal fp32 v, from the exponent bits
+    bits = v.to(tl.int32, bitcast=True)
+    e = (bits >> 23) & 0xFF
+    e = e + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    return (e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _kv_norm_rope_kernel(x_ptr, w_ptr, cs_ptr, sn_ptr, o_ptr, S, D, eps, NOPE: tl.constexpr, RD2: tl.constexpr,
+                         BLOCK: tl.constexpr, QB: tl.constexpr, NB_P: tl.constexpr):
+    r = tl.program_id(0)
+    t = r % S
+    d = tl.arange(0, BLOCK)
+    m = d < D
+    x = tl.load(x_ptr + r * D + d, mask=m, other=0.0).to(tl.float32)
+    x = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps))
+    w = tl.load(w_ptr + d, mask=m, other=0.0).to(tl.float32)
+    y = cast(w * x, o_ptr.dtype.element_ty)
+    tl.store(o_ptr + r * D + d, y, mask=m)
+    tl.debug_barrier()
+    _apply_rope(o_ptr, o_ptr, cs_ptr, sn_ptr, t, D, RD2, False, r * D, r * D)
+    if NOPE > 0:  # FP8-simulate the no-RoPE dims in blocks of QB (they are untouched by the RoPE)
+        tl.debug_barrier()
+        nb = tl.arange(0, NB_P)
+        j = tl.arange(0, QB)
+        bm = (nb < NOPE // QB)[:, None]
+        off = r * D + nb[:, None] * QB + j[None, :]
+        v = tl.load(o_ptr + off, mask=bm, other=0.0).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(v), axis=1), 1e-4)
+        s = _ue8m0(amax * (1.0 / 448.0))
+        q = e4m3_round(tl.clamp(v / s[:, None], -448.0, 448.0))
+        tl.store(o_ptr + off, cast(q * s[:, None], o_ptr.dtype.element_ty), mask=bm)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x if x.is_contiguous() else x.contiguous()
+
+
+def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., D], w [D] -> [..., D] in x.dtype."""
+    D = x.shape[-1]
+    if w.shape != (D,):
+        raise ValueError(f"rmsnorm: weight {tuple(w.shape)} does not match D={D}")
+    x = _rows(x)
+    out = torch.empty_like(x)
+    _rmsnorm_kernel[(x.numel() // D,)](x, w, out, D, eps, BLOCK=triton.next_power_of_2(D))
+    return out
+
+
+def _tables(cos: torch.Tensor, sin: torch.Tensor, T: int):
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] != T:
+        raise ValueError(f"rope: cos/sin must be [S={T}, rd/2], got {tuple(cos.shape)} / {tuple(sin.shape)}")
+    return cos.float().contiguous(), sin.float().contiguous()
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """x [B, S, (H,) D] -> rotated copy (last 2*cos.shape[-1] dims)."""
+    if x.dim() not in (3, 4):
+        raise ValueError(f"rope: x must be [B, S, (H,) D], got {tuple(x.shape)}")
+    S, D = x.shape[1], x.shape[-1]
+    H = x.shape[2] if x.dim() == 4 else 1
+    cs, sn = _tables(cos, sin, S)
+    x = _rows(x)
+    out = torch.empty_like(x)
+    _rope_kernel[(x.numel() // D,)](x, cs, sn, out, S, H, D, RD2=cs.shape[1], INVERSE=inverse,
+                           BLOCK=triton.next_power_of_2(max(D - 2 * cs.shape[1], 1)))
+    return out
+
+
+def q_norm_rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
+                low_precision_stat: bool) -> torch.Tensor:
+    """q [B, S, H, D] -> per-head RMS-normalised (no weight) and RoPE'd q."""
+    if q.dim() != 4:
+        raise ValueError(f"q_norm_rope: q must be [B, S, H, D], got {tuple(q.shape)}")
+    _, S, H, D = q.shape
+    cs, sn = _tables(cos, sin, S)
+    q = _rows(q)
+    out = torch.empty_like(q)
+    _q_norm_rope_kernel[(q.numel() // D,)](q, cs, sn, out, S, H, D, eps, RD2=cs.shape[1],
+                                  LOW=low_precision_stat and q.dtype != torch.float32,
+                                  BLOCK=triton.next_power_of_2(D))
+    return out
+
+
+def kv_norm_rope(kv: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                 fp8_nope: int) -> torch.Tensor:
+    """kv [B, S, D] -> kv_norm, RoPE, FP8 simulation of the first fp8_nope dims (0: none)."""
+    if kv.dim() != 3:
+        raise ValueError(f"kv_norm_rope: kv must be [B, S, D], got {tuple(kv.shape)}")
+    _, S, D = kv.shape
+    if fp8_nope % 64 or fp8_nope + 2 * cos.shape[-1] > D:
+        raise ValueError(f"kv_norm_rope: fp8_nope={fp8_nope} must be a multiple of 64 within D={D} minus RoPE")
+    cs, sn = _tables(cos, sin, S)
+    kv = _rows(kv)
+    out = torch.empty_like(kv)
+    _kv_norm_rope_kernel[(kv.numel() // D,)](kv, w, cs, sn, out, S, D, eps, NOPE=fp8_nope, RD2=cs.shape[1],
+                                             BLOCK=triton.next_power_of_2(D), QB=64,
+                                             NB_P=triton.next_power_of_2(max(fp8_nope // 64, 1)))
+    return out

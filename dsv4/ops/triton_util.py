@@ -1,0 +1,37 @@
+"""Small Triton helpers shared by the kernels of dsv4/ops.
+
+`round_to(v, dtype)`: fp32 v rounded to nearest-even in `dtype`, returned as fp32 (exact in dtype). For
+bf16 the rounding is written out on the bits: the Triton interpreter (CPU tests) truncates fp32 -> bf16,
+the GPU's cvt.rn rounds; written out, both give the same bits. `cast(v, dtype)`: the same, in dtype.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def round_to(v, DT: tl.constexpr):
+    if DT == tl.bfloat16:
+        b = v.to(tl.int32, bitcast=True)
+        r = ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        return tl.where(v == v, r, v)
+    else:
+        return v.to(DT).to(tl.float32)
+
+
+@triton.jit
+def cast(v, DT: tl.constexpr):
+    return round_to(v, DT).to(DT)
+
+
+@triton.jit
+def e4m3_round(v):
+    """fp32 v, already clamped to +-448 -> v rounded to the nearest e4m3 value, ties to even, as fp32.
+
+    Adding c = 1.5 * 2^(e + 20), e = max(exponent(v), -6), leaves the sum an ulp of 2^(e - 3) (the e4m3
+    spacing at v; 2^-9 on the subnormal grid below 2^-6), so fp32's RNE rounds v onto the e4m3 grid and
+    subtracting c is exact. Written out rather than a cast: the GPU's cvt.rn gives the same, and the
+    interpreter's fp32 -> fp8 cast mis-rounds a carry into the exponent."""
+    e = tl.maximum((v.to(tl.int32, bitcast=True) >> 23) & 0xFF, 121)
+    c = (((e + 20) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    return (v + c) - c

@@ -1,0 +1,55 @@
+"""Fast norm / RoPE ops (dsv4/ops/norm_rope_triton.py) against their references: interpreted on the CPU at
+small shapes, Flash shapes on a GPU; both statistic precisions of q_norm_rope, the FP8 KV simulation on
+and off, odd row counts, the inverse rotation."""
+
+import pytest
+import torch
+
+from dsv4.model.layers import Rope
+from dsv4.ops.norm import rmsnorm_ref
+from dsv4.ops.rope import kv_norm_rope_ref, q_norm_rope_ref, rope_ref
+from dsv4.testing import assert_close_rel
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+
+
+def _fast():
+    try:
+        from dsv4.ops import norm_rope_triton
+    except ImportError:
+        pytest.skip("Triton is not installed")
+    return norm_rope_triton
+
+
+def _case(B, S, H, D, rd, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    tab = Rope(rd, 160000.0, None, 4096, DEV)
+    pos = torch.randint(0, 4096, (S,), generator=g).to(DEV)
+    cos, sin = tab.at(pos)
+    x = (torch.randn(B, S, H, D, generator=g) * 3).to(dtype).to(DEV)
+    w = (1 + 0.1 * torch.randn(D, generator=g)).to(torch.bfloat16).to(DEV)
+    return x, w, cos, sin
+
+
+SHAPES = [(1, 1, 4, 128, 64), (1, 5, 3, 96, 32), (2, 3, 2, 128, 16)] if not CUDA else \
+    [(1, 1, 64, 512, 64), (1, 4, 64, 512, 64), (1, 128, 64, 512, 64), (1, 37, 8, 128, 64)]
+
+
+@pytest.mark.parametrize("B,S,H,D,rd", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fast_matches_reference(B, S, H, D, rd, dtype):
+    fast = _fast()
+    x, w, cos, sin = _case(B, S, H, D, rd, dtype, seed=S * D + H)
+    name = "op_bf16_out" if dtype == torch.bfloat16 else "op_fp32_out"
+    assert_close_rel(fast.rmsnorm(x, w, 1e-6), rmsnorm_ref(x, w, 1e-6), name)
+    for inv in (False, True):
+        assert_close_rel(fast.rope(x, cos, sin, inv), rope_ref(x, cos, sin, inv), name)
+    for low in (False, True):
+        stat = "op_bf16_stat" if low and dtype == torch.bfloat16 else name
+        assert_close_rel(fast.q_norm_rope(x, cos, sin, 1e-6, low), q_norm_rope_ref(x, cos, sin, 1e-6, low), stat)
+    kv = x[:, :, 0]
+    nope = D - rd if (D - rd) % 64 == 0 else 0
+    for fp8 in sorted({0, nope}):
+        assert_close_rel(fast.kv_norm_rope(kv, w, 1e-6, cos, sin, fp8), kv_norm_rope_ref(kv, w, 1e-6, cos, sin, fp8),
+                         name)
