@@ -104,6 +104,54 @@ def copy_bandwidth(device) -> float:
     return 2 * a.numel() / (ms * 1e-3) / 1e9
 
 
+# op -> the part of a layer it belongs to, for the per-layer time split
+CATEGORY = {
+    "linear": "linear", "wo_a": "linear", "head": "linear", "act_quant": "linear",
+    "router": "moe", "moe_experts": "moe",
+    "sparse_attn": "attention", "indexer_scores": "attention", "topk_select": "attention",
+    "compressor": "attention", "q_norm_rope": "attention", "kv_norm_rope": "attention", "rope": "attention",
+    "mhc_pre": "mhc+norm", "mhc_post": "mhc+norm", "mhc_head": "mhc+norm", "rmsnorm": "mhc+norm",
+}
+PARTS = ("linear", "moe", "attention", "mhc+norm", "other")
+
+
+def profile_layer(run, device) -> dict:
+    """Kernels launched by one eager decode step of a layer (the same kernels its graph replays) and their
+    GPU time split by op category, from the profiler: every op call is wrapped in a named range by the
+    ops hook; a kernel belongs to the innermost range it was launched in ("other": outside any op)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from dsv4 import ops
+
+    def hook(op, args, kwargs):
+        with record_function(f"op:{op.name}"):
+            return op.impl(*args, **kwargs)
+
+    run()  # warm
+    torch.cuda.synchronize(device)
+    ops.set_hook(hook)
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            run()
+            torch.cuda.synchronize(device)
+    finally:
+        ops.set_hook(None)
+    split = dict.fromkeys(PARTS, 0.0)
+    kernels = 0
+    for ev in prof.events():
+        for k in getattr(ev, "kernels", []) or []:
+            node, cat = ev, "other"
+            while node is not None:
+                if node.name.startswith("op:"):
+                    cat = CATEGORY.get(node.name[3:], "other")
+                    break
+                node = node.cpu_parent
+            split[cat] += k.duration / 1e3  # us -> ms
+            kernels += 1
+    return {"kernels": kernels, "split_ms": split}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=4, help="first N layers of Flash (default 4: SWA, SWA, CSA, HCA)")
@@ -112,6 +160,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10, help="timed steps per measurement")
     p.add_argument("--no-eager", action="store_true", help="skip the (slow) eager measurements")
     p.add_argument("--numerics", choices=("reference", "exact"), default="reference")
+    p.add_argument("--profile", action="store_true",
+                   help="also count the kernels of one layer step per layer kind and split its GPU time into "
+                        "linear / moe / attention / mhc+norm / other (profiler, eager step)")
     p.add_argument("--kernels", default=None, metavar="SPEC",
                    help="op backends: ref, fast, or e.g. fast,sparse_attn=ref (default: fast on CUDA)")
     p.add_argument("--json", help="write the results as JSON to this path")
@@ -185,6 +236,13 @@ def main(argv=None) -> int:
             row[f"{mode}_layer_ms"] = layer_ms
             if mode == "graph":
                 row["graph_head_ms"] = timed(runner.graphs["head"].replay, n, runner.head_dev)
+            if mode == "graph" and args.profile:
+                seen, prof = set(), {}
+                for i, spec_i in enumerate(cfg.layers):
+                    if spec_i.attn not in seen:
+                        seen.add(spec_i.attn)
+                        prof[spec_i.attn] = profile_layer(lambda i=i, r=runner: r._run_layer(i), runner.devices[i])
+                row["profile"] = prof
             runner = None  # free this mode's graphs and their memory pools before the next
         cache = [state_read_bytes(st, ctx - 1, s) for st, s in zip(state.blocks, cfg.layers)]
         row["layer_weight_bytes"] = per_layer_bytes
@@ -222,6 +280,11 @@ def main(argv=None) -> int:
             proj = f"{r['projected_43_layer_token_ms']:.1f}" if mode == "graph" and "projected_43_layer_token_ms" in r else ""
             print(f"{r['context']:>8} | {mode:>5} | {ms:>9.2f} | {layers:<40} | {gb:>7.3f} | {gbps:>7.1f} | "
                   f"{100 * gbps / bw:>8.2f}% | {proj:>12}")
+    for r in results:
+        for kind, pr in r.get("profile", {}).items():
+            parts = ", ".join(f"{k} {v:.3f}" for k, v in pr["split_ms"].items())
+            print(f"profile ctx {r['context']} {kind}: {pr['kernels']} kernels per layer step; GPU ms: {parts} "
+                  f"(sum {sum(pr['split_ms'].values()):.3f})")
     out = {"device": dev_name, "devices": devices, "torch": torch.__version__, "python": platform.python_version(),
            "layers": args.layers, "layer_kinds": [s.attn for s in cfg.layers], "numerics": args.numerics,
            "copy_GBps": bw, "floor_GB_per_token": FLOOR_GB_PER_TOKEN, "floor_ms_at_copy_bw": floor_ms,
