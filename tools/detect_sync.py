@@ -132,11 +132,14 @@ def check(model, max_len: int, steps: int = 8) -> list[Violation]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="Report host syncs, capture failures and device allocations "
-                                            "in the CUDA-graph decode step; exit 1 on any.")
+                                            "in the CUDA-graph decode step; exit 1 on any. Needs a CUDA GPU "
+                                            "(exit 2 without one).")
     p.add_argument("--model", help="checkpoint directory (default: a random tiny SWA/CSA/HCA model)")
-    p.add_argument("--device", default="cuda:0", help="cuda device, or a comma list to spread layers")
-    p.add_argument("--max-len", type=int, default=512, help="state size in tokens")
-    p.add_argument("--numerics", choices=("exact", "reference"), default="reference")
+    p.add_argument("--device", default="cuda:0",
+                   help="cuda device, or a comma list to spread layers (default: cuda:0)")
+    p.add_argument("--max-len", type=int, default=512, help="state size in tokens (default: 512)")
+    p.add_argument("--numerics", choices=("exact", "reference"), default="reference",
+                   help="exact: plain float math; reference: DeepSeek's quantization simulation (default)")
     p.add_argument("--kernels", default=None, metavar="SPEC",
                    help="op backends: ref, fast, or e.g. fast,sparse_attn=ref (default: fast on CUDA)")
     args = p.parse_args(argv)

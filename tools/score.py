@@ -19,19 +19,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        description="Write next-token logits [T, vocab] (float32 .npy) for a JSON list of token ids.")
-    p.add_argument("--model", required=True, help="checkpoint directory (config.json + safetensors)")
-    p.add_argument("--input", required=True, help="JSON file holding a list of token ids")
-    p.add_argument("--output", required=True, help="output .npy path")
+        description="Write next-token logits [T, vocab] (float32 .npy) for a JSON list of token ids. Runs on CPU "
+                    "or CUDA. Its defaults are for comparing against transformers and differ from the dsv4 "
+                    "command's: --numerics exact (dsv4: reference), --dtype float32 (dsv4: bfloat16), "
+                    "--device cpu (dsv4: cuda when present).")
+    p.add_argument("--model", required=True, metavar="DIR", help="checkpoint directory (config.json + safetensors)")
+    p.add_argument("--input", required=True, metavar="FILE", help="JSON file holding a list of token ids")
+    p.add_argument("--output", required=True, metavar="FILE", help="output .npy path")
     p.add_argument("--numerics", choices=("exact", "reference"), default="exact",
-                   help="exact: no quantization simulation (transformers' math); reference: DeepSeek's")
+                   help="exact: no quantization simulation, transformers' math (default); reference: DeepSeek's")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="activation dtype between ops")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or a comma list to spread layers")
-    p.add_argument("--mode", choices=("full", "incremental"), default="full")
-    p.add_argument("--prefill", type=int, default=None,
+                   help="activation dtype between ops (default: float32)")
+    p.add_argument("--device", default="cpu",
+                   help="cpu, cuda, cuda:N or a comma list to spread the layers (default: cpu)")
+    p.add_argument("--mode", choices=("full", "incremental"), default="full",
+                   help="full: one stateless forward over the whole sequence (default); incremental: chunked "
+                        "prefill, then one token at a time")
+    p.add_argument("--prefill", type=int, default=None, metavar="N",
                    help="incremental: tokens run as prefill (default: all but the last)")
-    p.add_argument("--chunk", type=int, default=128, help="incremental: prefill chunk size (1..128)")
+    p.add_argument("--chunk", type=int, default=128, metavar="C",
+                   help="incremental: prefill chunk size, 1..128 (default: 128)")
     return p.parse_args(argv)
 
 
