@@ -654,3 +654,22 @@ def test_tiny_checkpoint_runs_with_the_defaults(capsys, env, tmp_path, script):
     from dsv4.engine import Engine
 
     assert Engine.from_pretrained(tmp_path / "t", device="cpu", progress=False).max_context == 1024
+
+
+def test_messages_from_stdin(capsys, env, script, monkeypatch):
+    import io
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO(json.dumps([{"role": "user", "content": "Hello"}])))
+    script("Hi" + EOS)
+    code, out, err = call_main(capsys, "--messages", "-", "--thinking-mode", "chat", "--json", *FAST)
+    r = json.loads(out)
+    assert (code, r["content"], r["usage"]["prompt_tokens"]) == (0, "Hi", prompt_tokens("Hello", "chat"))
+
+
+def test_long_problem_lists_are_capped():
+    from dsv4.loader import CheckpointError
+
+    lines = cli.describe(CheckpointError("/ckpt", [f"problem {i}" for i in range(30)])).splitlines()
+    assert lines[0] == "checkpoint /ckpt: 30 problems" and lines[1:21] == [f"  problem {i}" for i in range(20)]
+    assert lines[21:] == ["  ... and 10 more"]
+    assert len(cli.describe(CheckpointError("/ckpt", [f"p{i}" for i in range(21)])).splitlines()) == 22
