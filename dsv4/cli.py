@@ -391,11 +391,12 @@ def validate(args) -> tuple[list[str], dict]:
 def resolve_model(args) -> Path:
     if args.model is not None:
         return Path(args.model).expanduser()
-    from dsv4.demo import demo_checkpoint
+    from dsv4.demo import demo_bytes, demo_checkpoint
 
     def on_build(path: Path, reason: str | None) -> None:
         if reason is None:
-            status(f"demo model (random weights): writing its checkpoint into {path} (once, ~150 MB) ...")
+            status(f"demo model (random weights): writing its checkpoint into {path} (once, "
+                   f"{demo_bytes() / 1e6:.0f} MB) ...")
         else:
             status(f"demo model: the cached checkpoint in {path} does not verify ({reason}); rebuilding it ...")
 

@@ -413,3 +413,22 @@ def test_inspect_model_dir_rejects_a_foreign_tokenizer(tmp_path, tokenizer):
         inspect_model_dir(tmp_path / "nope")
     with pytest.raises(EngineError, match="is not a directory"):
         inspect_model_dir(tmp_path / "config.json")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_decode_with_prefix_reuse_logprobs_and_stop(tokenizer):
+    # the decode graphs replay over a state whose prefix came from an earlier request
+    raw = tiny_config([4, 0, 16], n_mtp=0, vocab=VOCAB, max_pos=1024)
+    model = random_model(raw, Numerics("exact", torch.float32), seed=1).place(["cuda:0"])
+    graphs = Engine(model, tokenizer, max_context=512, graphs=True)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=20)
+    first = prompt_ids(150, 3)
+    a = graphs.complete(first, greedy, reuse_prefix=True)
+    second = first + a.token_ids + prompt_ids(30, 4)
+    b = graphs.complete(second, greedy, reuse_prefix=True, logprobs=2)
+    assert b.cached_tokens == len(first) + len(a.token_ids) - 1
+    fresh = Engine(model, tokenizer, max_context=512, graphs=False).complete(second, greedy, logprobs=2)
+    assert b.token_ids == fresh.token_ids and fresh.cached_tokens == 0
+    for x, y in zip(b.logprobs, fresh.logprobs):
+        assert x["id"] == y["id"] and abs(x["logprob"] - y["logprob"]) < 1e-3
