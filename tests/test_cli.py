@@ -673,3 +673,30 @@ def test_long_problem_lists_are_capped():
     assert lines[0] == "checkpoint /ckpt: 30 problems" and lines[1:21] == [f"  problem {i}" for i in range(20)]
     assert lines[21:] == ["  ... and 10 more"]
     assert len(cli.describe(CheckpointError("/ckpt", [f"p{i}" for i in range(21)])).splitlines()) == 22
+
+
+def test_interactive_tool_round_trip(capsys, env, script, monkeypatch, tmp_path):
+    import io
+
+    (tmp_path / "t.json").write_text(json.dumps(TOOLS))
+    script("Call it.</think>" + CALL, "Done.</think>It is 20 degrees." + EOS)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Weather in Paris?\n/tool {\"temp\": 20}\n"))
+    code, out, err = call_main(capsys, "-i", "--tools", str(tmp_path / "t.json"), "--json", *FAST,
+                               "--max-new-tokens", "60", "--max-context", "2048")
+    assert code == 0, err
+    first, second = (json.loads(line) for line in out.splitlines())
+    assert [c["function"]["name"] for c in first["tool_calls"]] == ["get_weather"]
+    assert (second["reasoning_content"], second["content"]) == ("Done.", "It is 20 degrees.")
+    # turn 2 is the official rendering of the call and its result; with tools the reasoning is kept,
+    # so the state is extended rather than re-prefilled
+    from dsv4.messages import normalize_messages
+
+    history = normalize_messages([{"role": "user", "content": "Weather in Paris?"},
+                                  {"role": "assistant", "content": "", "reasoning_content": "Call it.",
+                                   "tool_calls": first["tool_calls"]},
+                                  {"role": "tool", "content": "{\"temp\": 20}"}], TOOLS)
+    prompt = encode_messages(history, "thinking")
+    assert "<tool_result>{\"temp\": 20}</tool_result>" in prompt
+    assert second["usage"]["prompt_tokens"] == len(load_tokenizer().encode(prompt))
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == (
+        first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"] - 1)
