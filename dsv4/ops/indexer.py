@@ -33,5 +33,11 @@ def topk_select_ref(scores: torch.Tensor, n_visible: torch.Tensor, k: int) -> to
 
 
 def register_ops(register) -> None:
-    register("indexer_scores", indexer_scores_ref, doc="Lightning Indexer scores over compressed keys")
-    register("topk_select", topk_select_ref, doc="top-k entry indices per query, ties to the lower index")
+    try:  # the Triton fast paths; without Triton the references run and ops.configure lists them so
+        from dsv4.ops.indexer_triton import indexer_scores as fast_scores, topk_select as fast_topk
+    except ImportError:
+        fast_scores = fast_topk = None
+    register("indexer_scores", indexer_scores_ref, fast_scores, interpretable=True,
+             doc="Lightning Indexer scores over compressed keys")
+    register("topk_select", topk_select_ref, fast_topk, interpretable=True,
+             doc="top-k entry indices per query, ties to the lower index")

@@ -57,5 +57,9 @@ def sparse_attn_ref(q: torch.Tensor, kv_win: torch.Tensor, idx_win: torch.Tensor
 
 
 def register_ops(register) -> None:
-    register("sparse_attn", sparse_attn_ref,
+    try:  # the Triton fast path; without Triton the reference runs and ops.configure lists it so
+        from dsv4.ops.sparse_attn_triton import sparse_attn as fast
+    except ImportError:
+        fast = None
+    register("sparse_attn", sparse_attn_ref, fast, interpretable=True,
              doc="MQA over window + compressed index lists, 64-slot online softmax with sink")

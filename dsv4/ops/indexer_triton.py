@@ -1,0 +1,265 @@
+"""Triton fast paths of `indexer_scores` and `topk_select` (same signatures and numerics as the references
+in dsv4/ops/indexer.py, SPEC §2.5). Owns two kernels and their configs; touches nothing else.
+
+- `_scores_kernel`: one program per (query block, BN entries). Per query it computes the [BN, H] head
+  logits with one tl.dot (entries as the M dimension, heads as N; fp32 accumulation), then ReLU, times the
+  per-head weight, and the sum over heads. Low precision (reference numerics) reproduces the bf16 einsum
+  step by step: each head logit rounded to the activation dtype, relu, times w (rounded to that dtype),
+  rounded, summed in fp32, rounded once. Otherwise all fp32. Only the dot's summation order differs from
+  the reference (tolerances `op_bf16_out` / `op_fp32_out`).
+- `_topk_kernel`: one program per (batch, query) row: an exact radix select of the k-th largest key over
+  the row (four 8-bit passes over an order-preserving 32-bit key of the fp32 score; invisible entries are
+  -inf), then one pass that keeps the entries above that key plus the lowest-index ones equal to it,
+  then a bitonic sort of the k kept (key, -index) pairs. Same set and order as the reference's stable
+  descending sort, bit for bit: -0.0 counts as +0.0 (torch compares them equal); -inf scores give -1.
+  NaN scores are outside the contract.
+No host sync; counts are read on the device; configs are fixed functions of the shapes (CUDA-graph safe).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+
+
+def _pow2_ge(v: int) -> int:
+    return 1 << max(int(v) - 1, 0).bit_length()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# scores
+
+
+@triton.jit
+def _round_kind(x, KIND: tl.constexpr):
+    """fp32 -> the nearest value of bf16 / fp16 / fp32 (ties to even), still fp32. bf16 is written out:
+    the Triton interpreter's fp32 -> bf16 cast truncates; the GPU's cvt.rn gives the same."""
+    if KIND == 0:
+        b = x.to(tl.int32, bitcast=True)
+        r = ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        return tl.where(x == x, r, x)
+    elif KIND == 1:
+        return x.to(tl.float16).to(tl.float32)
+    else:
+        return x
+
+
+@triton.jit
+def _scores_kernel(q_ptr, w_ptr, k_ptr, o_ptr, S, H, N, d,
+                   sq_b, sq_s, sq_h, sw_b, sw_s, sk_b, sk_n, so_b, so_s,
+                   HP: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr,
+                   LOW: tl.constexpr, KIND: tl.constexpr, OPT: tl.constexpr):
+    pid_s = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    n_ok = offs_n < N
+    offs_h = tl.arange(0, HP)
+    h_ok = offs_h < H
+    offs_d = tl.arange(0, DP)
+    d_ok = offs_d < d
+    kt = tl.load(k_ptr + b * sk_b + offs_n[:, None].to(tl.int64) * sk_n + offs_d[None, :],
+                 mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    if LOW:
+        kt = _round_kind(kt.to(tl.float32), KIND)  # k.to(q.dtype)
+    kt = kt.to(OPT)
+    for j in range(SB):
+        s = pid_s * SB + j
+        if s < S:
+            qj = tl.load(q_ptr + b * sq_b + s * sq_s + offs_h[:, None] * sq_h + offs_d[None, :],
+                         mask=h_ok[:, None] & d_ok[None, :], other=0.0).to(OPT)
+            wj = tl.load(w_ptr + b * sw_b + s * sw_s + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+            if OPT == tl.float32:
+                t = tl.dot(kt, tl.trans(qj), input_precision="ieee")  # [BN, HP] fp32
+            else:
+                t = tl.dot(kt, tl.trans(qj))
+            if LOW:
+                t = tl.maximum(_round_kind(t, KIND), 0.0)
+                u = _round_kind(t * _round_kind(wj, KIND)[None, :], KIND)
+                res = _round_kind(tl.sum(u, 1), KIND)
+            else:
+                res = tl.sum(tl.maximum(t, 0.0) * wj[None, :], 1)
+            tl.store(o_ptr + b * so_b + s * so_s + offs_n, res.to(o_ptr.dtype.element_ty), mask=n_ok)
+
+
+# entries per program, queries per program (prefill: one K tile serves SB queries), warps
+SCORES_CFG = {"bn": 128, "sb": 8, "warps": 4}
+
+
+def indexer_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, low_precision: bool) -> torch.Tensor:
+    """q [B,S,H,d], w [B,S,H], k [B,N,d] -> [B,S,N] (indexer_scores_ref's contract)."""
+    if q.dim() != 4 or w.shape != q.shape[:3] or k.dim() != 3 or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[3]:
+        raise ValueError(f"indexer_scores: q {tuple(q.shape)}, w {tuple(w.shape)}, k {tuple(k.shape)} do not "
+                         f"match [B,S,H,d], [B,S,H], [B,N,d]")
+    for name, t in (("q", q), ("w", w), ("k", k)):
+        if t.dtype not in _KIND:
+            raise ValueError(f"indexer_scores: {name} dtype {t.dtype} not supported")
+        if t.numel() and t.stride(-1) != 1:
+            raise ValueError(f"indexer_scores: {name} needs a unit stride on its last dim, strides {t.stride()}")
+    B, S, H, d = q.shape
+    N = k.shape[1]
+    out_dtype = q.dtype if low_precision else torch.float32
+    o = torch.empty(B, S, N, dtype=out_dtype, device=q.device)
+    if o.numel() == 0:
+        return o
+    kind = _KIND[q.dtype]
+    # dot operands: exact in OPT. bf16/fp16 values stay 16-bit on the GPU; fp32 values (and everything in the
+    # Triton interpreter, which multiplies 16-bit operands as raw integers) go as fp32 with IEEE products.
+    k_exact_in_q = low_precision or k.dtype == q.dtype
+    if q.is_cuda and kind != 2 and k_exact_in_q:
+        opt = tl.bfloat16 if kind == 0 else tl.float16
+    else:
+        opt = tl.float32
+    BN = SCORES_CFG["bn"] if q.is_cuda else 64
+    SB = 1 if S == 1 else (SCORES_CFG["sb"] if q.is_cuda else S)
+    grid = (triton.cdiv(S, SB), triton.cdiv(N, BN), B)
+    opts = {"num_warps": SCORES_CFG["warps"]} if q.is_cuda else {}
+    _scores_kernel[grid](q, w, k, o, S, H, N, d, q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1),
+                         k.stride(0), k.stride(1), o.stride(0), o.stride(1),
+                         HP=max(16, _pow2_ge(H)), DP=max(16, _pow2_ge(d)), BN=BN, SB=SB, LOW=bool(low_precision),
+                         KIND=kind, OPT=opt, **opts)
+    return o
+
+
+# ---------------------------------------------------------------------------------------------------------
+# top-k: chunks of a row select their k best in parallel, merge rounds select the k best of those
+
+
+PAD = tl.constexpr(-9223372036854775807 - 1)  # int64 min: an empty candidate slot, below every pair
+
+
+@triton.jit
+def _select(u, valid, K, WB: tl.constexpr):
+    """u [T] int64 keys in [0, 2^WB), valid [T] -> take [T]: the min(K, #valid) largest valid keys, ties to
+    the lower position. Radix select, 8 bits a pass: `prefix` grows to the K-th largest key, `krem` ends as
+    the number of keys equal to it to keep (the first ones)."""
+    bins = tl.arange(0, 512)
+    prefix = tl.zeros([], tl.int64)
+    krem = tl.minimum(tl.sum(valid.to(tl.int32), 0), K)
+    for shift in tl.static_range(WB - 8, -1, -8):
+        on = valid & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
+        dig = ((u >> shift) & 255).to(tl.int32)
+        hist = tl.histogram(tl.where(on, dig, 256 + dig), 512)  # bins 256..511: off the prefix (ignored)
+        hist = tl.where(bins < 256, hist, 0)
+        ge = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # keys on the prefix with digit >= bin
+        dsel = tl.max(tl.where((ge >= krem) & (bins < 256), bins, -1), 0)
+        krem -= tl.sum(tl.where(bins > dsel, hist, 0), 0)
+        prefix = prefix | (dsel.to(tl.int64) << shift)
+    eq = (valid & (u == prefix)).to(tl.int32)
+    rank = tl.cumsum(eq, 0) - eq
+    return valid & ((u > prefix) | ((eq == 1) & (rank < krem)))
+
+
+@triton.jit
+def _order_key(pair, pos, WB: tl.constexpr):
+    """(key, -index) pairs of the kept list (in index order, `pos` = place in it) -> keys whose signed order
+    is the output order: (score key, -pos) in an int32 when the score key has 16 bits, else the pair."""
+    if WB == 16:
+        return (((pair >> 48).to(tl.int32)) << 16) | (65535 - pos)
+    else:
+        return pair
+
+
+@triton.jit
+def _topk_kernel(x_ptr, nvis_ptr, src_ptr, dst_ptr, o_ptr, S, N, K, P_IN, sx_b, sx_s, so_b, so_s,
+                 T: tl.constexpr, KP: tl.constexpr, WB: tl.constexpr, FROM_SCORES: tl.constexpr,
+                 FINAL: tl.constexpr, RC: tl.constexpr):
+    row = tl.program_id(0)  # b * S + s
+    c = tl.program_id(1)  # the chunk of the row (scores) or the group of chunks (merge round)
+    lanes = tl.arange(0, T)
+    if FROM_SCORES:
+        b = (row // S).to(tl.int64)
+        s = (row % S).to(tl.int64)
+        offs = c * T + lanes
+        nvis = tl.minimum(tl.load(nvis_ptr + s), N)
+        x = tl.load(x_ptr + b * sx_b + s * sx_s + offs, mask=offs < nvis, other=float("-inf")).to(tl.float32)
+        x = tl.where(x == 0.0, 0.0, x)  # -0.0 == +0.0, as torch compares
+        bits = x.to(tl.int32, bitcast=True)
+        skey = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed int order = float order
+        # (key, 2^32 - 1 - index) in one int64: signed order = descending score, then lower index
+        pair = (skey.to(tl.int64) << 32) | (4294967295 - offs.to(tl.int64))
+        valid = offs < N
+    else:  # T = G * KP pairs: the candidates of G chunks, each in index order, chunks in row order
+        j = c * T + lanes
+        pair = tl.load(src_ptr + row.to(tl.int64) * P_IN * KP + j, mask=j < P_IN * KP, other=PAD)
+        valid = pair != PAD
+    # WB = 16 (bf16 scores): the low 16 bits of a key are the same for all keys of one sign, so the high
+    # 16 decide; two 8-bit passes instead of four
+    take = _select((pair >> (64 - WB)) + (1 << (WB - 1)), valid, K, WB)
+    t = take.to(tl.int32)
+    pos = tl.cumsum(t, 0) - t  # kept pairs stay in index order
+    n_take = tl.sum(t, 0)
+    jj = tl.arange(0, KP)
+    if FINAL:
+        # the kept pairs to scratch, then each one's output slot = how many kept pairs order before it
+        scr = dst_ptr + row.to(tl.int64) * KP
+        tl.store(scr + pos, pair, mask=take)
+        tl.debug_barrier()
+        allk = _order_key(tl.load(scr + jj, mask=jj < n_take, other=PAD), jj, WB)
+        b = (row // S).to(tl.int64)
+        s = (row % S).to(tl.int64)
+        for r0 in range(0, n_take, RC):
+            ri = r0 + tl.arange(0, RC)
+            pr = tl.load(scr + ri, mask=ri < n_take, other=PAD)
+            mine = _order_key(pr, ri, WB)
+            before = (allk[None, :] > mine[:, None]) & (jj[None, :] < n_take)
+            slot = tl.sum(before.to(tl.int32), 1)
+            idx = (4294967295 - (pr & 4294967295)).to(tl.int32)
+            idx = tl.where((pr >> 32) <= -2139095041, -1, idx)  # key of -inf (0x807FFFFF) and below: -1
+            tl.store(o_ptr + b * so_b + s * so_s + slot, idx, mask=ri < n_take)
+    else:
+        dst = dst_ptr + (row.to(tl.int64) * tl.num_programs(1) + c) * KP
+        tl.store(dst + pos, pair, mask=take)
+        tl.store(dst + jj, tl.full([KP], PAD, tl.int64), mask=jj >= n_take)
+
+
+# chunk (and merge tile) sizes: a program holds T keys in registers
+TOPK_TILE = {"cuda": 4096, "cpu": 1024}
+TOPK_WARPS = 8
+
+
+def topk_select(scores: torch.Tensor, n_visible: torch.Tensor, k: int) -> torch.Tensor:
+    """scores [B,S,N], n_visible [S] int64 -> idx [B,S,k] int32 (topk_select_ref's contract)."""
+    if scores.dim() != 3 or scores.dtype not in _KIND:
+        raise ValueError(f"topk_select: scores must be float [B,S,N], got {scores.dtype}{tuple(scores.shape)}")
+    B, S, N = scores.shape
+    if n_visible.shape != (S,) or n_visible.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"topk_select: n_visible must be int [{S}], got {n_visible.dtype}{tuple(n_visible.shape)}")
+    if not 0 <= k <= N:
+        raise ValueError(f"topk_select: k={k} outside [0, N={N}]")
+    if N and scores.stride(-1) != 1:
+        raise ValueError(f"topk_select: scores need a unit stride on the entry dim, strides {scores.stride()}")
+    dev = scores.device
+    o = torch.empty(B, S, k, dtype=torch.int32, device=dev)
+    if o.numel() == 0:
+        return o
+    rows = B * S
+    KP = max(16, _pow2_ge(k))
+    tile = max(TOPK_TILE["cuda" if scores.is_cuda else "cpu"], 2 * KP)
+    T0 = min(tile, max(16, _pow2_ge(N)))
+    P = triton.cdiv(N, T0)
+    opts = {"num_warps": TOPK_WARPS} if scores.is_cuda else {}
+    wb = 16 if scores.dtype == torch.bfloat16 else 32  # significant bits of the order-preserving score key
+    rc = max(1, min(KP, 8192 // KP))  # kept pairs ranked per step: an [rc, KP] comparison
+    sort_scr = torch.empty(rows * KP, dtype=torch.int64, device=dev)
+    strides = (scores.stride(0), scores.stride(1), o.stride(0), o.stride(1))
+    if P == 1:
+        _topk_kernel[(rows, 1)](scores, n_visible, sort_scr, sort_scr, o, S, N, k, 1, *strides,
+                                T=T0, KP=KP, WB=wb, FROM_SCORES=True, FINAL=True, RC=rc, **opts)
+        return o
+    cand = torch.empty(rows * P * KP, dtype=torch.int64, device=dev)
+    _topk_kernel[(rows, P)](scores, n_visible, cand, cand, o, S, N, k, P, *strides,
+                            T=T0, KP=KP, WB=wb, FROM_SCORES=True, FINAL=False, RC=rc, **opts)
+    G = tile // KP  # chunks' candidates merged per program
+    while True:
+        Pn = triton.cdiv(P, G)
+        final = Pn == 1
+        dst = sort_scr if final else torch.empty(rows * Pn * KP, dtype=torch.int64, device=dev)
+        _topk_kernel[(rows, Pn)](scores, n_visible, cand, dst, o, S, N, k, P, *strides,
+                                 T=G * KP, KP=KP, WB=wb, FROM_SCORES=False, FINAL=final, RC=rc, **opts)
+        if final:
+            return o
+        cand, P = dst, Pn

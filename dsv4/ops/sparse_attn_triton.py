@@ -1,0 +1,393 @@
+"""Triton fast path of `sparse_attn` (same signature and numerics as `sparse_attn_ref`, SPEC §2.3.5).
+
+Owns two kernels and the shape -> config choice; touches nothing else.
+- `_attn_kernel`: one program per (query, head group, split of the index list). The program holds its
+  BH heads' q rows [BH, D] (heads are the M dimension of both dots), gathers the K = V rows its list names
+  64 slots at a time (window part from `kv_win`, compressed part from `kv_comp`, a block may straddle the
+  two; -1 slots are masked, never read), and runs DeepSeek's online softmax over those 64-slot blocks in
+  list order: s = (q.k) fp32 * scale, m_new = max(m, max s), p = exp(s - m_new) fp32,
+  Z = Z e^(m - m_new) + sum p, acc = acc e^(m - m_new) + bf16(p).v (tl.dot, fp32 accumulation). A program
+  that walks the whole list (prefill, short lists) finishes in place: Z += exp(sink - m), o = acc / Z
+  (IEEE division), one rounding. Otherwise it writes its partial (m, Z, acc).
+- `_combine_kernel` (decode split-KV): folds the partials of one (query, head group) in split order:
+  m* = max m_i, Z = sum Z_i e^(m_i - m*), acc = sum acc_i e^(m_i - m*), then the sink and o = acc / Z.
+Numerics: a whole-list program is the reference up to the summation order of the two dots (tolerance
+`op_attention`). Splits fall on 64-slot block boundaries, but a split rounds its bf16(p) against its own
+running max, not the global one: each p is then re-rounded at a scale that differs by e^(m_split - m*),
+which moves it by up to one bf16 ulp (tolerance `op_attention_split`, measured in tests/ops).
+No host sync; indices and counts are read on the device; configs are fixed functions of the shapes
+(CUDA-graph safe). The wrapper validates, allocates the output (and the split partials) and launches.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 64  # slots per online-softmax step, as sparse_attn_ref and DeepSeek's kernel
+
+_KV_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# device helpers
+
+
+@triton.jit
+def _rne_bf16(x):
+    """fp32 -> the nearest bf16 value (ties to even) as fp32. Written out: the Triton interpreter's
+    fp32 -> bf16 cast truncates; the GPU's cvt.rn gives the same. NaN passes through."""
+    b = x.to(tl.int32, bitcast=True)
+    r = ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    return tl.where(x == x, r, x)
+
+
+@triton.jit
+def _round_kind(x, KIND: tl.constexpr):
+    """fp32 -> the nearest value of the KV dtype (bf16 / fp16 / fp32, ties to even), still fp32."""
+    if KIND == 0:
+        return _rne_bf16(x)
+    elif KIND == 1:
+        return x.to(tl.float16).to(tl.float32)
+    else:
+        return x
+
+
+@triton.jit
+def _to_kind(x, KIND: tl.constexpr):
+    """fp32 -> the KV dtype, rounded to nearest-even (the cast after _round_kind is exact)."""
+    if KIND == 0:
+        return _rne_bf16(x).to(tl.bfloat16)
+    elif KIND == 1:
+        return x.to(tl.float16)
+    else:
+        return x
+
+
+@triton.jit
+def _dot(a, b, OPT: tl.constexpr):
+    """a @ b with fp32 accumulation, operands in OPT (values exact in it); fp32 operands in full precision."""
+    if OPT == tl.float32:
+        return tl.dot(a.to(OPT), b.to(OPT), input_precision="ieee")
+    else:
+        return tl.dot(a.to(OPT), b.to(OPT))
+
+
+@triton.jit
+def _dot_acc(a, b, c, OPT: tl.constexpr):
+    """c + a @ b, accumulated in fp32 (see _dot)."""
+    if OPT == tl.float32:
+        return tl.dot(a.to(OPT), b.to(OPT), c, input_precision="ieee")
+    else:
+        return tl.dot(a.to(OPT), b.to(OPT), c)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the walk over the index list
+
+
+@triton.jit
+def _slots(blk, iw_row, ic_row, Lw, Lc, siw_l, sic_l, w_off, c_off, skw_n, skc_n, BLOCK: tl.constexpr,
+           HAS_COMP: tl.constexpr, ALIGNED: tl.constexpr):
+    """Block `blk` of the list (window part, then compressed part) -> (valid [BLOCK], K = V row offsets
+    [BLOCK] from kv_win's base). Compressed rows are reached from kv_win's base too (c_off = their distance
+    in elements): one pointer tensor keeps its 16-byte alignment visible to Triton, so the gathers stay
+    vectorized (a select between two pointer tensors hides it)."""
+    l = blk * BLOCK + tl.arange(0, BLOCK)
+    in_w = l < Lw
+    iw = tl.load(iw_row + l.to(tl.int64) * siw_l, mask=in_w, other=-1).to(tl.int64)
+    if HAS_COMP:
+        lc = l - Lw
+        in_c = (lc >= 0) & (lc < Lc)
+        ic = tl.load(ic_row + lc.to(tl.int64) * sic_l, mask=in_c, other=-1).to(tl.int64)
+        valid = (iw >= 0) | (ic >= 0)  # at most one of the two lists covers a slot
+        rows = tl.where(in_w, w_off + iw * skw_n, c_off + ic * skc_n)
+    else:
+        valid = iw >= 0
+        rows = w_off + iw * skw_n
+    if ALIGNED:  # every row offset is a multiple of 16 elements (checked by the wrapper): 16-byte vectors
+        rows = tl.multiple_of(rows, 16)
+    return valid, rows
+
+
+@triton.jit
+def _block(kw_ptr, rows, valid, q0, q1, q2, q3, m, z, acc0, acc1, acc2, acc3, offs_c, c_ok0, c_ok1, c_ok2, c_ok3,
+           scale, DC: tl.constexpr, KIND: tl.constexpr, OPT: tl.constexpr):
+    """One 64-slot step of DeepSeek's online softmax: gather K = V, s = q.k * scale, m_new = max(m, max s),
+    p = exp(s - m_new), Z = Z e^(m - m_new) + sum p, acc = acc e^(m - m_new) + round(p).v."""
+    k_ptrs = kw_ptr + rows[:, None] + offs_c[None, :]
+    v2 = valid[:, None]
+    k0 = tl.load(k_ptrs, mask=v2 & c_ok0[None, :], other=0.0)
+    k1 = tl.load(k_ptrs + DC, mask=v2 & c_ok1[None, :], other=0.0)
+    k2 = tl.load(k_ptrs + 2 * DC, mask=v2 & c_ok2[None, :], other=0.0)
+    k3 = tl.load(k_ptrs + 3 * DC, mask=v2 & c_ok3[None, :], other=0.0)
+    sc = _dot(q0, tl.trans(k0), OPT)
+    sc = _dot_acc(q1, tl.trans(k1), sc, OPT)
+    sc = _dot_acc(q2, tl.trans(k2), sc, OPT)
+    sc = _dot_acc(q3, tl.trans(k3), sc, OPT) * scale  # [BH, BLOCK] fp32 logits
+    sc = tl.where(valid[None, :], sc, float("-inf"))
+    m_new = tl.maximum(m, tl.max(sc, 1))
+    base = tl.where(m_new == float("-inf"), 0.0, m_new)  # 0 while nothing was valid: exp() stays finite
+    alpha = tl.exp(m - base)
+    p = tl.exp(sc - base[:, None])
+    z = z * alpha + tl.sum(p, 1)
+    pr = _round_kind(p, KIND)  # P rounded to the KV dtype; P.V accumulates in fp32
+    acc0 = _dot_acc(pr, k0, acc0 * alpha[:, None], OPT)
+    acc1 = _dot_acc(pr, k1, acc1 * alpha[:, None], OPT)
+    acc2 = _dot_acc(pr, k2, acc2 * alpha[:, None], OPT)
+    acc3 = _dot_acc(pr, k3, acc3 * alpha[:, None], OPT)
+    return m_new, z, acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _attn_kernel(q_ptr, kw_ptr, iw_ptr, kc_delta, ic_ptr, sink_ptr, o_ptr, pm_ptr, pz_ptr, pa_ptr,
+                 scale, S, H, Lw, Lc, NBS, NSPLIT,
+                 sq_b, sq_s, sq_h, skw_b, skw_n, siw_b, siw_s, siw_l, skc_b, skc_n, sic_b, sic_s, sic_l,
+                 so_b, so_s, so_h,
+                 D: tl.constexpr, DP: tl.constexpr, BH: tl.constexpr, BLOCK: tl.constexpr,
+                 HAS_COMP: tl.constexpr, SPLIT: tl.constexpr, KIND: tl.constexpr, OUT_KIND: tl.constexpr,
+                 OPT: tl.constexpr, ALIGNED: tl.constexpr, SKIP_EMPTY: tl.constexpr):
+    qi = tl.program_id(0)
+    hg = tl.program_id(1)
+    sp = tl.program_id(2)
+    b = (qi // S).to(tl.int64)
+    s = (qi % S).to(tl.int64)
+    offs_h = hg * BH + tl.arange(0, BH)
+    h_ok = offs_h < H
+    offs_d = tl.arange(0, DP)
+    d_ok = offs_d < D
+    # D in four column chunks of DC: the dots chain over them, each K chunk goes to shared memory on its own
+    # (a whole [64, 512] K tile staged in registers next to the [BH, 512] fp32 accumulator would spill)
+    DC: tl.constexpr = DP // 4
+    offs_c = tl.arange(0, DC)
+    c_ok0 = offs_c < D
+    c_ok1 = offs_c + DC < D
+    c_ok2 = offs_c + 2 * DC < D
+    c_ok3 = offs_c + 3 * DC < D
+    q_rows = q_ptr + b * sq_b + s * sq_s + offs_h[:, None].to(tl.int64) * sq_h + offs_c[None, :]
+    q0 = tl.load(q_rows, mask=h_ok[:, None] & c_ok0[None, :], other=0.0)
+    q1 = tl.load(q_rows + DC, mask=h_ok[:, None] & c_ok1[None, :], other=0.0)
+    q2 = tl.load(q_rows + 2 * DC, mask=h_ok[:, None] & c_ok2[None, :], other=0.0)
+    q3 = tl.load(q_rows + 3 * DC, mask=h_ok[:, None] & c_ok3[None, :], other=0.0)
+    L = Lw + Lc
+    nblk = tl.cdiv(L, BLOCK)
+    blk0 = sp * NBS
+    blk1 = tl.minimum(blk0 + NBS, nblk)
+    iw_row = iw_ptr + b * siw_b + s * siw_s
+    ic_row = ic_ptr + b * sic_b + s * sic_s
+    w_off = b * skw_b  # element offsets from kv_win's base
+    c_off = kc_delta + b * skc_b
+    m = tl.full([BH], float("-inf"), tl.float32)
+    z = tl.zeros([BH], tl.float32)
+    acc0 = tl.zeros([BH, DC], tl.float32)
+    acc1 = tl.zeros([BH, DC], tl.float32)
+    acc2 = tl.zeros([BH, DC], tl.float32)
+    acc3 = tl.zeros([BH, DC], tl.float32)
+    for blk in range(blk0, blk1):
+        valid, rows = _slots(blk, iw_row, ic_row, Lw, Lc, siw_l, sic_l, w_off, c_off, skw_n, skc_n, BLOCK,
+                             HAS_COMP, ALIGNED)
+        # a block without a valid slot leaves (m, Z, acc) exactly as they are (alpha = 1, p = 0): split
+        # programs (decode, whose lists end in long -1 runs) skip it; whole-list programs keep a branch-free
+        # loop body, which Triton can software-pipeline
+        if SKIP_EMPTY:
+            if tl.max(valid.to(tl.int32), 0) > 0:
+                m, z, acc0, acc1, acc2, acc3 = _block(kw_ptr, rows, valid, q0, q1, q2, q3, m, z, acc0, acc1, acc2,
+                                                      acc3, offs_c, c_ok0, c_ok1, c_ok2, c_ok3, scale, DC, KIND, OPT)
+        else:
+            m, z, acc0, acc1, acc2, acc3 = _block(kw_ptr, rows, valid, q0, q1, q2, q3, m, z, acc0, acc1, acc2, acc3,
+                                                  offs_c, c_ok0, c_ok1, c_ok2, c_ok3, scale, DC, KIND, OPT)
+    h2 = h_ok[:, None]
+    if SPLIT:
+        prow = (qi * NSPLIT + sp).to(tl.int64) * H + offs_h
+        tl.store(pm_ptr + prow, m, mask=h_ok)
+        tl.store(pz_ptr + prow, z, mask=h_ok)
+        pa = pa_ptr + prow[:, None] * D + offs_c[None, :]
+        tl.store(pa, acc0, mask=h2 & c_ok0[None, :])
+        tl.store(pa + DC, acc1, mask=h2 & c_ok1[None, :])
+        tl.store(pa + 2 * DC, acc2, mask=h2 & c_ok2[None, :])
+        tl.store(pa + 3 * DC, acc3, mask=h2 & c_ok3[None, :])
+    else:
+        base = tl.where(m == float("-inf"), 0.0, m)
+        sink = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0)
+        zz = (z + tl.exp(sink - base))[:, None]
+        o = o_ptr + b * so_b + s * so_s + offs_h[:, None].to(tl.int64) * so_h + offs_c[None, :]
+        tl.store(o, _to_kind(tl.math.div_rn(acc0, zz), OUT_KIND), mask=h2 & c_ok0[None, :])
+        tl.store(o + DC, _to_kind(tl.math.div_rn(acc1, zz), OUT_KIND), mask=h2 & c_ok1[None, :])
+        tl.store(o + 2 * DC, _to_kind(tl.math.div_rn(acc2, zz), OUT_KIND), mask=h2 & c_ok2[None, :])
+        tl.store(o + 3 * DC, _to_kind(tl.math.div_rn(acc3, zz), OUT_KIND), mask=h2 & c_ok3[None, :])
+
+
+@triton.jit
+def _combine_kernel(pm_ptr, pz_ptr, pa_ptr, sink_ptr, o_ptr, S, H, D, NSPLIT, so_b, so_s, so_h,
+                    BH: tl.constexpr, BD: tl.constexpr, NSP: tl.constexpr, OUT_KIND: tl.constexpr):
+    """One program per (query, BH heads, BD output columns): the splits' partials folded in split order."""
+    qi = tl.program_id(0)
+    hg = tl.program_id(1)
+    dg = tl.program_id(2)
+    b = (qi // S).to(tl.int64)
+    s = (qi % S).to(tl.int64)
+    offs_h = hg * BH + tl.arange(0, BH)
+    h_ok = offs_h < H
+    offs_d = dg * BD + tl.arange(0, BD)
+    d_ok = offs_d < D
+    offs_p = tl.arange(0, NSP)
+    row0 = qi.to(tl.int64) * NSPLIT
+    pidx = (row0 + offs_p[:, None]) * H + offs_h[None, :]  # [NSP, BH]
+    pmask = (offs_p[:, None] < NSPLIT) & h_ok[None, :]
+    pm = tl.load(pm_ptr + pidx, mask=pmask, other=float("-inf"))
+    pz = tl.load(pz_ptr + pidx, mask=pmask, other=0.0)
+    m = tl.max(pm, 0)
+    base = tl.where(m == float("-inf"), 0.0, m)
+    z = tl.sum(pz * tl.exp(pm - base[None, :]), 0)
+    acc = tl.zeros([BH, BD], tl.float32)
+    for i in range(NSPLIT):
+        prow = (row0 + i) * H + offs_h
+        wi = tl.exp(tl.load(pm_ptr + prow, mask=h_ok, other=float("-inf")) - base)
+        a = tl.load(pa_ptr + prow[:, None] * D + offs_d[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = acc + a * wi[:, None]
+    sink = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0)
+    z = z + tl.exp(sink - base)
+    o = tl.math.div_rn(acc, z[:, None])
+    tl.store(o_ptr + b * so_b + s * so_s + offs_h[:, None].to(tl.int64) * so_h + offs_d[None, :],
+             _to_kind(o, OUT_KIND), mask=h_ok[:, None] & d_ok[None, :])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# configs: fixed functions of the shapes
+
+
+def _pow2_ge(v: int) -> int:
+    return 1 << max(int(v) - 1, 0).bit_length()
+
+
+_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # the Triton interpreter: few programs run fastest; still exercises the split path
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
+
+
+# Tunables (the GPU bench may override). A query with few programs (decode: H / bh head groups) splits
+# its list into splits of `blocks_per_split` 64-slot blocks, one program each, merged by _combine_kernel:
+# a block's latency (index load -> K row gather) then overlaps across the splits. Enough queries (prefill
+# chunks) walk their whole list in one program each, exact to the sequential walk.
+CONFIG = {
+    "split": {"bh": 16, "warps": 4, "stages": 1, "blocks_per_split": 1},
+    "whole": {"bh": 32, "warps": 4, "stages": 2},
+    "programs_per_sm": 1.0,  # a call with at least this many (query, head group) programs per SM: no split
+}
+
+
+def config(B: int, S: int, H: int, L: int, device: torch.device) -> dict:
+    """{bh, warps, stages, nsplit, bps}: the launch for a call (a fixed function of the shapes)."""
+    nblk = max(triton.cdiv(L, BLOCK), 1)
+    w = CONFIG["whole"]
+    bh = max(16, min(w["bh"], _pow2_ge(H)))
+    if B * S * triton.cdiv(H, bh) >= _num_sms(device) * CONFIG["programs_per_sm"] or nblk < 2:
+        return dict(bh=bh, warps=w["warps"], stages=w["stages"], nsplit=1, bps=nblk)
+    sp = CONFIG["split"]
+    bps = max(1, sp["blocks_per_split"])
+    return dict(bh=max(16, min(sp["bh"], _pow2_ge(H))), warps=sp["warps"], stages=sp["stages"],
+                nsplit=triton.cdiv(nblk, bps), bps=bps)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# wrapper
+
+
+def _check(q, kv_win, idx_win, kv_comp, idx_comp, sink):
+    if q.dim() != 4:
+        raise ValueError(f"sparse_attn: q must be [B,S,H,D], got {tuple(q.shape)}")
+    B, S, H, D = q.shape
+    if q.dtype not in _KV_KIND:
+        raise ValueError(f"sparse_attn: q dtype {q.dtype} not supported (bf16, fp16, fp32)")
+    if kv_win.dim() != 3 or kv_win.shape[0] != B or kv_win.shape[2] != D or kv_win.dtype != q.dtype:
+        raise ValueError(f"sparse_attn: kv_win {kv_win.dtype}{tuple(kv_win.shape)} does not match q "
+                         f"{q.dtype}{tuple(q.shape)} (want [B, N, D] in q's dtype)")
+    if idx_win.dim() != 3 or tuple(idx_win.shape[:2]) != (B, S) or idx_win.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"sparse_attn: idx_win {idx_win.dtype}{tuple(idx_win.shape)} must be int [B={B}, S={S}, L]")
+    if (kv_comp is None) != (idx_comp is None):
+        raise ValueError("sparse_attn: kv_comp and idx_comp must both be given or both be None")
+    if kv_comp is not None:
+        if kv_comp.dim() != 3 or kv_comp.shape[0] != B or kv_comp.shape[2] != D or kv_comp.dtype != q.dtype:
+            raise ValueError(f"sparse_attn: kv_comp {kv_comp.dtype}{tuple(kv_comp.shape)} does not match q "
+                             f"{q.dtype}{tuple(q.shape)}")
+        if (idx_comp.dim() != 3 or tuple(idx_comp.shape[:2]) != (B, S)
+                or idx_comp.dtype not in (torch.int32, torch.int64)):
+            raise ValueError(f"sparse_attn: idx_comp {idx_comp.dtype}{tuple(idx_comp.shape)} must be int "
+                             f"[B={B}, S={S}, L]")
+    if sink.shape != (H,) or sink.dtype != torch.float32:
+        raise ValueError(f"sparse_attn: sink must be fp32 [{H}], got {sink.dtype}{tuple(sink.shape)}")
+    for name, t in (("q", q), ("kv_win", kv_win), ("kv_comp", kv_comp)):
+        if t is not None and t.shape[-1] > 0 and t.stride(-1) != 1:
+            raise ValueError(f"sparse_attn: {name} needs a unit stride on its last dim, strides {t.stride()}")
+    devs = {t.device for t in (q, kv_win, idx_win, kv_comp, idx_comp, sink) if t is not None}
+    if len(devs) != 1:
+        raise ValueError(f"sparse_attn: tensors on several devices {sorted(map(str, devs))}")
+
+
+def sparse_attn(q: torch.Tensor, kv_win: torch.Tensor, idx_win: torch.Tensor, kv_comp: torch.Tensor | None,
+                idx_comp: torch.Tensor | None, sink: torch.Tensor, scale: float, *, cfg: dict | None = None
+                ) -> torch.Tensor:
+    """q [B,S,H,D]; kv_win [B,Nw,D] + idx_win [B,S,Lw]; kv_comp [B,Nc,D] + idx_comp [B,S,Lc] (or None);
+    sink [H] fp32 -> o [B,S,H,D] in q.dtype (sparse_attn_ref's contract). `cfg` overrides the launch
+    config (benchmarks)."""
+    _check(q, kv_win, idx_win, kv_comp, idx_comp, sink)
+    B, S, H, D = q.shape
+    has_comp = idx_comp is not None and idx_comp.shape[-1] > 0
+    Lw = idx_win.shape[-1]
+    Lc = idx_comp.shape[-1] if has_comp else 0
+    o = torch.empty(B, S, H, D, dtype=q.dtype, device=q.device)
+    if o.numel() == 0:
+        return o
+    c = cfg or config(B, S, H, Lw + Lc, q.device)
+    bh, nsplit, bps = c["bh"], c["nsplit"], c["bps"]
+    kc = kv_comp if has_comp else kv_win
+    ic = idx_comp if has_comp else idx_win
+    kind = _KV_KIND[q.dtype]
+    # OPT: the dtype the dot operands travel in. The Triton interpreter multiplies 16-bit float operands as
+    # raw integers, so there they travel as fp32 (the same values).
+    opt = tl.float32 if (kind == 2 or not q.is_cuda) else (tl.bfloat16 if kind == 0 else tl.float16)
+    DP = max(64, _pow2_ge(D))  # four column chunks of >= 16
+    grid = (B * S, triton.cdiv(H, bh), nsplit)
+    split = nsplit > 1
+    if split:
+        pm = torch.empty(B * S * nsplit * H, dtype=torch.float32, device=q.device)
+        pz = torch.empty_like(pm)
+        pa = torch.empty(B * S * nsplit * H * D, dtype=torch.float32, device=q.device)
+    else:
+        pm = pz = pa = sink  # unused
+    opts = {"num_warps": c["warps"], "num_stages": c["stages"]} if q.is_cuda else {}
+    # compressed rows are addressed from kv_win's base: their distance in elements (same dtype, so exact)
+    kc_delta = (kc.data_ptr() - kv_win.data_ptr()) // kv_win.element_size()
+    aligned = all(v % 16 == 0 for v in (kc_delta, kv_win.stride(0), kv_win.stride(1), kc.stride(0), kc.stride(1)))
+    _attn_kernel[grid](q, kv_win, idx_win, kc_delta, ic, sink, o, pm, pz, pa,
+                       float(scale), S, H, Lw, Lc, bps, nsplit,
+                       q.stride(0), q.stride(1), q.stride(2), kv_win.stride(0), kv_win.stride(1),
+                       idx_win.stride(0), idx_win.stride(1), idx_win.stride(2),
+                       kc.stride(0), kc.stride(1), ic.stride(0), ic.stride(1), ic.stride(2),
+                       o.stride(0), o.stride(1), o.stride(2),
+                       D=D, DP=DP, BH=bh, BLOCK=BLOCK, HAS_COMP=has_comp, SPLIT=split, KIND=kind, OUT_KIND=kind,
+                       OPT=opt, ALIGNED=aligned, SKIP_EMPTY=split, **opts)
+    if split:
+        cbh, cbd = 16, 64
+        copts = {"num_warps": 4} if q.is_cuda else {}
+        _combine_kernel[(B * S, triton.cdiv(H, cbh), triton.cdiv(D, cbd))](
+            pm, pz, pa, sink, o, S, H, D, nsplit, o.stride(0), o.stride(1), o.stride(2),
+            BH=cbh, BD=cbd, NSP=_pow2_ge(nsplit), OUT_KIND=kind, **copts)
+    return o
+
+
+def describe(B: int, S: int, H: int, L: int, device: torch.device) -> str:
+    """The launch a call of these shapes gets, for bench/ab_compare listings."""
+    c = config(B, S, H, L, device)
+    return (f"bh={c['bh']} warps={c['warps']} splits={c['nsplit']}x{c['bps']} blocks "
+            f"(list {L} slots = {math.ceil(L / BLOCK)} blocks)")
