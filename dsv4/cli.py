@@ -114,6 +114,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                      help="activation dtype (default bfloat16)")
     mdl.add_argument("--eager", action="store_true",
                      help="on CUDA, decode without CUDA graphs (slower; for debugging)")
+    mdl.add_argument("--kernels", metavar="SPEC",
+                     help="op backends: fast (Triton/CUDA kernels; the default on CUDA), ref (the PyTorch "
+                          "reference ops; the default on CPU), or per op, e.g. fast,sparse_attn=ref; the run "
+                          "banner lists what runs where")
 
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true",
@@ -385,6 +389,18 @@ def validate(args) -> tuple[list[str], dict]:
             raise UsageError(f"--logprobs must be in [0, {MAX_LOGPROBS}], got {args.logprobs}")
     if any(s == "" for s in args.stop):
         raise UsageError("--stop needs a non-empty string")
+    try:
+        from dsv4 import ops
+
+        _, kernel_overrides = ops.parse_kernels(args.kernels)
+        unknown = sorted(set(kernel_overrides) - set(ops.OPS))
+        if unknown:
+            raise ValueError(f"--kernels: unknown op(s) {', '.join(unknown)}; ops are: {', '.join(ops.OPS)}")
+        bad = {k: v for k, v in kernel_overrides.items() if v not in ops.BACKENDS}
+        if bad:
+            raise ValueError(f"--kernels: a backend is ref or fast, got {', '.join(f'{k}={v}' for k, v in bad.items())}")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     return devices, overrides
 
 
@@ -440,7 +456,10 @@ def run(args) -> int:
 
     status(f"loading {model_dir} on {','.join(devices)} ({args.numerics} numerics, {args.dtype}) ...")
     engine = Engine.from_pretrained(info, device=devices, max_context=max_context, numerics=args.numerics,
-                                    dtype=getattr(torch, args.dtype), graphs=not args.eager)
+                                    dtype=getattr(torch, args.dtype), graphs=not args.eager, kernels=args.kernels)
+    from dsv4 import ops
+
+    status(ops.banner(engine.kernels))
     session = Session(args, engine, mode, engine.with_defaults(**overrides))
     if args.raw:
         return session.finish(session.raw(raw_prompt))

@@ -282,7 +282,11 @@ class Engine:
         self.state_ids: list[int] | None = []  # tokens whose KV the state holds; None: unknown (reset)
         self.input_device = model.embed.weight.device  # ids enter at the embedding's device
         # On CUDA, decode replays one captured graph per layer over the same state the chunked prefill
-        # fills; on CPU (or with graphs=False) the decode step runs the chunked path with one token.
+        # fills; on CPU (or with graphs=False) the model's forward runs the same one-token step eagerly.
+        from dsv4 import ops
+
+        self.kernels = ops.active()  # op -> backend bound now (from_pretrained binds them first)
+        model.prepare()
         self.runner = None
         if graphs and self.input_device.type == "cuda":
             from dsv4.graphs import DecodeRunner
@@ -293,7 +297,7 @@ class Engine:
     def from_pretrained(cls, path: str | Path | CheckpointInfo | None = None, *,
                         device: str | list[str] | None = None, max_context: int | None = None,
                         numerics: str = "reference", dtype: torch.dtype = torch.bfloat16,
-                        progress: bool = True, graphs: bool = True) -> Engine:
+                        progress: bool = True, graphs: bool = True, kernels: str | None = None) -> Engine:
         """Load checkpoint `path` (None: the embedded demo checkpoint, generated on first use; or the
         CheckpointInfo that `inspect_model_dir` returned for it).
 
@@ -301,9 +305,18 @@ class Engine:
         max_position_embeddings. Defaults for sampling and the stop ids come from the checkpoint's
         generation_config.json; the encoder release ("preview" or "0731") from its config.json.
         graphs: decode through per-layer CUDA graphs when the model is on CUDA (False: eager).
+        kernels: the op backends (`--kernels`: "ref", "fast" or "fast,op=ref,..."; None: fast on CUDA, ref on
+        CPU), bound once here, before the weights are prepared and the graphs captured.
         """
         devices = parse_devices(device)
         check_devices(devices)
+        from dsv4 import ops
+
+        try:
+            backend, kernel_overrides = ops.parse_kernels(kernels)
+            report = ops.configure(backend, torch.device(devices[0]).type, kernel_overrides)
+        except ValueError as e:
+            raise EngineError(str(e)) from None
         t0 = time.perf_counter()
         if path is None:
             from dsv4.demo import demo_checkpoint
@@ -320,9 +333,11 @@ class Engine:
         generation_config = load_generation_config(info.path)
         model = load_model(info.path, numerics=numerics, dtype=dtype, devices=devices, with_mtp=False,
                            max_pos=max_context, progress=progress)
-        return cls(model, info.tokenizer, max_context, info.release,
-                   defaults=_defaults_from(generation_config), eos_ids=_eos_ids(info.tokenizer, generation_config),
-                   load_s=time.perf_counter() - t0, graphs=graphs)
+        engine = cls(model, info.tokenizer, max_context, info.release,
+                     defaults=_defaults_from(generation_config), eos_ids=_eos_ids(info.tokenizer, generation_config),
+                     load_s=time.perf_counter() - t0, graphs=graphs)
+        engine.kernels = report
+        return engine
 
     # ---- requests ----------------------------------------------------------------------------
 

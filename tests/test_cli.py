@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # check --help and the README against it, test_parser_has_no_other_option the parser
 OPTIONS = ("--prompt", "--prompt-file", "--messages", "--tools", "--system", "--interactive", "--raw",
            "--thinking-mode", "--reasoning-effort", "--max-new-tokens", "--temperature", "--top-p", "--top-k",
-           "--seed", "--stop", "--model", "--device", "--max-context", "--numerics", "--dtype", "--eager",
+           "--seed", "--stop", "--model", "--device", "--max-context", "--numerics", "--dtype", "--eager", "--kernels",
            "--json", "--logprobs", "--show-special", "--debug", "--version")
 FAST = ["--max-new-tokens", "6", "--device", "cpu", "--max-context", "256"]
 
@@ -700,3 +700,18 @@ def test_interactive_tool_round_trip(capsys, env, script, monkeypatch, tmp_path)
     assert second["usage"]["prompt_tokens"] == len(load_tokenizer().encode(prompt))
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == (
         first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"] - 1)
+
+
+def test_kernels_option(env):
+    r = run_cli(env, "--prompt", "Hi", "--kernels", "fastest", *FAST)
+    assert r.returncode == 2 and r.stderr.strip() == (
+        "error: --kernels: expected ref, fast or op=ref|fast items, got 'fastest'")
+    r = run_cli(env, "--prompt", "Hi", "--kernels", "fast,nope=ref", *FAST)
+    assert r.returncode == 2 and "--kernels: unknown op(s) nope" in r.stderr
+    # on a CPU (without the test suite's TRITON_INTERPRET) a requested fast op runs its reference and says why
+    plain = {k: v for k, v in env.items() if k != "TRITON_INTERPRET"}
+    r = run_cli(plain, "--prompt", "Hi", "--kernels", "ref,linear=fast", "--thinking-mode", "chat", *FAST)
+    assert r.returncode == 0, r.stderr
+    banner = [line for line in r.stderr.splitlines() if line.startswith("kernels: ")]
+    assert len(banner) == 1
+    assert "ref (Triton on CPU needs TRITON_INTERPRET=1): linear" in banner[0], banner[0]

@@ -1,7 +1,6 @@
 """ModelConfig: the official Flash config parses with the right schedule; bad configs name the field."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -10,18 +9,14 @@ from dsv4.config import ConfigError, ModelConfig
 from dsv4.model.layers import rope_inv_freq
 from dsv4.testing import tiny_config
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "dsv4" / "files"
+@pytest.fixture
+def flash(shared_dsv4):
+    """A fresh dict of the official Flash config.json (../shared/dsv4/files)."""
+    return lambda: json.loads((shared_dsv4 / "files" / "config.json").read_text())
 
 
-def _flash() -> dict:
-    path = SHARED / "config.json"
-    if not path.exists():
-        pytest.skip(f"official config not found at {path}")
-    return json.loads(path.read_text())
-
-
-def test_flash_config_schedule():
-    c = ModelConfig.from_dict(_flash())
+def test_flash_config_schedule(flash):
+    c = ModelConfig.from_dict(flash())
     assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.head_dim) == (4096, 43, 64, 512)
     assert len(c.layers) == 43 and len(c.mtp_layers) == 1
     assert [s.attn for s in c.layers[:4]] == ["swa", "swa", "csa", "hca"]
@@ -36,9 +31,9 @@ def test_flash_config_schedule():
     assert ModelConfig.from_dict(c.to_dict()) == c
 
 
-def test_flash_yarn_frequencies():
+def test_flash_yarn_frequencies(flash):
     # SPEC §2.3.3: theta 160000, pairs 0..15 unchanged, pairs >= 25 divided by 16, linear blend between
-    c = ModelConfig.from_dict(_flash())
+    c = ModelConfig.from_dict(flash())
     base = 1.0 / (160000 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
     f = rope_inv_freq(64, c.compress_rope_theta, c.rope_scaling)
     assert torch.equal(f[:16], base[:16])
@@ -48,11 +43,11 @@ def test_flash_yarn_frequencies():
     assert torch.equal(rope_inv_freq(64, 10000.0, None), 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64)))
 
 
-def test_nvfp4_and_base_quant_configs():
-    raw = _flash()
+def test_nvfp4_and_base_quant_configs(flash):
+    raw = flash()
     raw["quantization_config"] = dict(raw["quantization_config"], moe_quant_algo="NVFP4")
     assert ModelConfig.from_dict(raw).quant.expert_format == "nvfp4"
-    raw = _flash()
+    raw = flash()
     raw.pop("expert_dtype")
     del raw["quantization_config"]["scale_fmt"]
     q = ModelConfig.from_dict(raw).quant

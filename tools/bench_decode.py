@@ -6,6 +6,7 @@ Random weights in the official formats (FP8 projections, MXFP4 experts) are gene
 the first --layers layers of the Flash config (all 43 need ~150 GB: spread them with --device
 cuda:0,cuda:1). For each context the state is filled with random cache contents at position ctx-1, so
 the step reads a full context. Prints a table and writes JSON (--json). A benchmark, not a test.
+Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -153,19 +154,22 @@ def profile_layer(run, device) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=4, help="first N layers of Flash (default 4: SWA, SWA, CSA, HCA)")
-    p.add_argument("--device", default="cuda:0", help="cuda device or comma list (layers split evenly)")
-    p.add_argument("--contexts", default="1024,16384,131072", help="comma list of context lengths")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per measurement")
+    p.add_argument("--device", default="cuda:0",
+                   help="cuda device or comma list (layers split evenly) (default: cuda:0)")
+    p.add_argument("--contexts", default="1024,16384,131072",
+                   help="comma list of context lengths (default: 1024,16384,131072)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per measurement (default: 10)")
     p.add_argument("--no-eager", action="store_true", help="skip the (slow) eager measurements")
-    p.add_argument("--numerics", choices=("reference", "exact"), default="reference")
+    p.add_argument("--numerics", choices=("reference", "exact"), default="reference",
+                   help="reference: DeepSeek's quantization simulation (default); exact: plain float math")
     p.add_argument("--profile", action="store_true",
                    help="also count the kernels of one layer step per layer kind and split its GPU time into "
                         "linear / moe / attention / mhc+norm / other (profiler, eager step)")
     p.add_argument("--kernels", default=None, metavar="SPEC",
                    help="op backends: ref, fast, or e.g. fast,sparse_attn=ref (default: fast on CUDA)")
-    p.add_argument("--json", help="write the results as JSON to this path")
+    p.add_argument("--json", metavar="F", help="write the results as JSON to F (default: none)")
     args = p.parse_args(argv)
 
     import torch
