@@ -7,12 +7,15 @@ in dsv4/ops/indexer.py, SPEC §2.5). Owns two kernels and their configs; touches
   step by step: each head logit rounded to the activation dtype, relu, times w (rounded to that dtype),
   rounded, summed in fp32, rounded once. Otherwise all fp32. Only the dot's summation order differs from
   the reference (tolerances `op_bf16_out` / `op_fp32_out`).
-- `_topk_kernel`: one program per (batch, query) row: an exact radix select of the k-th largest key over
-  the row (four 8-bit passes over an order-preserving 32-bit key of the fp32 score; invisible entries are
-  -inf), then one pass that keeps the entries above that key plus the lowest-index ones equal to it,
-  then a bitonic sort of the k kept (key, -index) pairs. Same set and order as the reference's stable
-  descending sort, bit for bit: -0.0 counts as +0.0 (torch compares them equal); -inf scores give -1.
-  NaN scores are outside the contract.
+- `_topk_kernel`: exact top-k, bit for bit the reference's set and order. A row is cut into chunks of
+  TOPK_TILE entries; each chunk's program keeps its k best (entries past the visible count are -inf), then
+  merge rounds keep the k best of TOPK_MERGE candidates per program until one program per row is left,
+  which sorts them. Selection is a radix select over an order-preserving integer key of the fp32 score,
+  4 bits a pass (a 32-bin tl.histogram, one bin per lane): 4 passes for bf16 scores (16 significant key
+  bits), 8 for fp32; ties at the k-th key go to the lowest entries, so the kept set is the reference's.
+  The final order (descending score, ties to the lower entry) comes from tl.sort on (key, -place) packed
+  in an int32 for bf16 scores, in an int64 (key, -entry) otherwise. -0.0 counts as +0.0 (torch compares
+  them equal); -inf scores give -1. NaN scores are outside the contract.
 No host sync; counts are read on the device; configs are fixed functions of the shapes (CUDA-graph safe).
 """
 
@@ -134,18 +137,18 @@ PAD = tl.constexpr(-9223372036854775807 - 1)  # int64 min: an empty candidate sl
 @triton.jit
 def _select(u, valid, K, WB: tl.constexpr):
     """u [T] int64 keys in [0, 2^WB), valid [T] -> take [T]: the min(K, #valid) largest valid keys, ties to
-    the lower position. Radix select, 8 bits a pass: `prefix` grows to the K-th largest key, `krem` ends as
-    the number of keys equal to it to keep (the first ones)."""
-    bins = tl.arange(0, 512)
+    the lower position. Radix select, 4 bits a pass (a 32-bin histogram: one bin per lane of a warp):
+    `prefix` grows to the K-th largest key, `krem` ends as the number of keys equal to it to keep."""
+    bins = tl.arange(0, 32)
     prefix = tl.zeros([], tl.int64)
     krem = tl.minimum(tl.sum(valid.to(tl.int32), 0), K)
-    for shift in tl.static_range(WB - 8, -1, -8):
-        on = valid & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
-        dig = ((u >> shift) & 255).to(tl.int32)
-        hist = tl.histogram(tl.where(on, dig, 256 + dig), 512)  # bins 256..511: off the prefix (ignored)
-        hist = tl.where(bins < 256, hist, 0)
+    for shift in tl.static_range(WB - 4, -1, -4):
+        on = valid & ((u >> (shift + 4)) == (prefix >> (shift + 4)))
+        dig = ((u >> shift) & 15).to(tl.int32)
+        hist = tl.histogram(tl.where(on, dig, 16 + dig), 32)  # bins 16..31: off the prefix (ignored)
+        hist = tl.where(bins < 16, hist, 0)
         ge = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # keys on the prefix with digit >= bin
-        dsel = tl.max(tl.where((ge >= krem) & (bins < 256), bins, -1), 0)
+        dsel = tl.max(tl.where((ge >= krem) & (bins < 16), bins, -1), 0)
         krem -= tl.sum(tl.where(bins > dsel, hist, 0), 0)
         prefix = prefix | (dsel.to(tl.int64) << shift)
     eq = (valid & (u == prefix)).to(tl.int32)
@@ -154,19 +157,9 @@ def _select(u, valid, K, WB: tl.constexpr):
 
 
 @triton.jit
-def _order_key(pair, pos, WB: tl.constexpr):
-    """(key, -index) pairs of the kept list (in index order, `pos` = place in it) -> keys whose signed order
-    is the output order: (score key, -pos) in an int32 when the score key has 16 bits, else the pair."""
-    if WB == 16:
-        return (((pair >> 48).to(tl.int32)) << 16) | (65535 - pos)
-    else:
-        return pair
-
-
-@triton.jit
 def _topk_kernel(x_ptr, nvis_ptr, src_ptr, dst_ptr, o_ptr, S, N, K, P_IN, sx_b, sx_s, so_b, so_s,
                  T: tl.constexpr, KP: tl.constexpr, WB: tl.constexpr, FROM_SCORES: tl.constexpr,
-                 FINAL: tl.constexpr, RC: tl.constexpr):
+                 FINAL: tl.constexpr):
     row = tl.program_id(0)  # b * S + s
     c = tl.program_id(1)  # the chunk of the row (scores) or the group of chunks (merge round)
     lanes = tl.arange(0, T)
@@ -194,30 +187,32 @@ def _topk_kernel(x_ptr, nvis_ptr, src_ptr, dst_ptr, o_ptr, S, N, K, P_IN, sx_b, 
     n_take = tl.sum(t, 0)
     jj = tl.arange(0, KP)
     if FINAL:
-        # the kept pairs to scratch, then each one's output slot = how many kept pairs order before it
+        # the kept pairs (in index order) to scratch, then sorted: descending score, ties to the lower index
         scr = dst_ptr + row.to(tl.int64) * KP
         tl.store(scr + pos, pair, mask=take)
         tl.debug_barrier()
-        allk = _order_key(tl.load(scr + jj, mask=jj < n_take, other=PAD), jj, WB)
+        live = jj < n_take
+        kept = tl.load(scr + jj, mask=live, other=PAD)
+        if WB == 16:  # (16-bit score key, -place in the kept list) sorts as an int32: cheaper than int64
+            okey = (((kept >> 48).to(tl.int32)) << 16) | (65535 - jj)
+            okey = tl.sort(tl.where(live, okey, -2147483648), 0, descending=True)
+            kept = tl.load(scr + (65535 - (okey & 65535)), mask=live, other=PAD)
+        else:
+            kept = tl.sort(kept, 0, descending=True)
+        idx = (4294967295 - (kept & 4294967295)).to(tl.int32)
+        idx = tl.where((kept >> 32) <= -2139095041, -1, idx)  # key of -inf (0x807FFFFF) and below: -1
         b = (row // S).to(tl.int64)
         s = (row % S).to(tl.int64)
-        for r0 in range(0, n_take, RC):
-            ri = r0 + tl.arange(0, RC)
-            pr = tl.load(scr + ri, mask=ri < n_take, other=PAD)
-            mine = _order_key(pr, ri, WB)
-            before = (allk[None, :] > mine[:, None]) & (jj[None, :] < n_take)
-            slot = tl.sum(before.to(tl.int32), 1)
-            idx = (4294967295 - (pr & 4294967295)).to(tl.int32)
-            idx = tl.where((pr >> 32) <= -2139095041, -1, idx)  # key of -inf (0x807FFFFF) and below: -1
-            tl.store(o_ptr + b * so_b + s * so_s + slot, idx, mask=ri < n_take)
+        tl.store(o_ptr + b * so_b + s * so_s + jj, idx, mask=jj < K)
     else:
         dst = dst_ptr + (row.to(tl.int64) * tl.num_programs(1) + c) * KP
         tl.store(dst + pos, pair, mask=take)
         tl.store(dst + jj, tl.full([KP], PAD, tl.int64), mask=jj >= n_take)
 
 
-# chunk (and merge tile) sizes: a program holds T keys in registers
+# keys per program: a chunk of a row (TOPK_TILE) and the candidates one merge program takes (TOPK_MERGE)
 TOPK_TILE = {"cuda": 4096, "cpu": 1024}
+TOPK_MERGE = {"cuda": 4096, "cpu": 1024}
 TOPK_WARPS = 8
 
 
@@ -243,23 +238,22 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor, k: int) -> torch.
     P = triton.cdiv(N, T0)
     opts = {"num_warps": TOPK_WARPS} if scores.is_cuda else {}
     wb = 16 if scores.dtype == torch.bfloat16 else 32  # significant bits of the order-preserving score key
-    rc = max(1, min(KP, 8192 // KP))  # kept pairs ranked per step: an [rc, KP] comparison
     sort_scr = torch.empty(rows * KP, dtype=torch.int64, device=dev)
     strides = (scores.stride(0), scores.stride(1), o.stride(0), o.stride(1))
     if P == 1:
         _topk_kernel[(rows, 1)](scores, n_visible, sort_scr, sort_scr, o, S, N, k, 1, *strides,
-                                T=T0, KP=KP, WB=wb, FROM_SCORES=True, FINAL=True, RC=rc, **opts)
+                                T=T0, KP=KP, WB=wb, FROM_SCORES=True, FINAL=True, **opts)
         return o
     cand = torch.empty(rows * P * KP, dtype=torch.int64, device=dev)
     _topk_kernel[(rows, P)](scores, n_visible, cand, cand, o, S, N, k, P, *strides,
-                            T=T0, KP=KP, WB=wb, FROM_SCORES=True, FINAL=False, RC=rc, **opts)
-    G = tile // KP  # chunks' candidates merged per program
+                            T=T0, KP=KP, WB=wb, FROM_SCORES=True, FINAL=False, **opts)
+    G = max(2, TOPK_MERGE["cuda" if scores.is_cuda else "cpu"] // KP)  # chunks' candidates merged per program
     while True:
         Pn = triton.cdiv(P, G)
         final = Pn == 1
         dst = sort_scr if final else torch.empty(rows * Pn * KP, dtype=torch.int64, device=dev)
         _topk_kernel[(rows, Pn)](scores, n_visible, cand, dst, o, S, N, k, P, *strides,
-                                 T=G * KP, KP=KP, WB=wb, FROM_SCORES=False, FINAL=final, RC=rc, **opts)
+                                 T=G * KP, KP=KP, WB=wb, FROM_SCORES=False, FINAL=final, **opts)
         if final:
             return o
         cand, P = dst, Pn

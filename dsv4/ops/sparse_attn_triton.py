@@ -1,22 +1,24 @@
 """Triton fast path of `sparse_attn` (same signature and numerics as `sparse_attn_ref`, SPEC §2.3.5).
 
 Owns two kernels and the shape -> config choice; touches nothing else.
-- `_attn_kernel`: one program per (query, head group, split of the index list). The program holds its
-  BH heads' q rows [BH, D] (heads are the M dimension of both dots), gathers the K = V rows its list names
-  64 slots at a time (window part from `kv_win`, compressed part from `kv_comp`, a block may straddle the
-  two; -1 slots are masked, never read), and runs DeepSeek's online softmax over those 64-slot blocks in
-  list order: s = (q.k) fp32 * scale, m_new = max(m, max s), p = exp(s - m_new) fp32,
-  Z = Z e^(m - m_new) + sum p, acc = acc e^(m - m_new) + bf16(p).v (tl.dot, fp32 accumulation). A program
-  that walks the whole list (prefill, short lists) finishes in place: Z += exp(sink - m), o = acc / Z
-  (IEEE division), one rounding. Otherwise it writes its partial (m, Z, acc).
-- `_combine_kernel` (decode split-KV): folds the partials of one (query, head group) in split order:
-  m* = max m_i, Z = sum Z_i e^(m_i - m*), acc = sum acc_i e^(m_i - m*), then the sink and o = acc / Z.
-Numerics: a whole-list program is the reference up to the summation order of the two dots (tolerance
-`op_attention`). Splits fall on 64-slot block boundaries, but a split rounds its bf16(p) against its own
-running max, not the global one: each p is then re-rounded at a scale that differs by e^(m_split - m*),
-which moves it by up to one bf16 ulp (tolerance `op_attention_split`, measured in tests/ops).
-No host sync; indices and counts are read on the device; configs are fixed functions of the shapes
-(CUDA-graph safe). The wrapper validates, allocates the output (and the split partials) and launches.
+- `_attn_kernel`: programs over (query, head group of BH heads, split of the index list). A program holds
+  its heads' q rows (heads are the M dimension of both dots), gathers the K = V rows its list names 64
+  slots at a time (window part from `kv_win`, compressed part from `kv_comp`, addressed from kv_win's base;
+  a block may straddle the two; -1 slots are masked, never read) and runs DeepSeek's online softmax over
+  those 64-slot blocks in list order: s = (q.k) fp32 * scale, m_new = max(m, max s), p = exp(s - m_new),
+  Z = Z e^(m - m_new) + sum p, acc = acc e^(m - m_new) + bf16(p).v (tl.dot, fp32 accumulation).
+  STAGE 0 (prefill, or any call with enough programs): one program walks the whole list and finishes in
+  place: Z += exp(sink - m), o = acc / Z (IEEE division), one rounding.
+  Decode split-KV (few queries: a block's index load -> row gather latency then overlaps across splits
+  of one block each): STAGE 1 writes each split's maximum logit per head; STAGE 2 walks each split starting
+  from the running maximum of the splits before it, which is the sequential walk's m at that point, so
+  every p and bf16(p) is exactly the walk's; it writes its partial (m, Z, acc).
+- `_combine_kernel`: m* = max m_i, Z = sum Z_i e^(m_i - m*), acc = sum acc_i e^(m_i - m*), then the sink and
+  o = acc / Z. Against the sequential walk only the fp32 rescaling of the partials differs (one exp of a
+  sum instead of a product of exps, ~1e-7 relative), which flips an output rounding very rarely.
+Both launches agree with the reference up to fp32 summation order (tolerance `op_attention`). No host sync;
+indices and counts are read on the device; configs are fixed functions of the shapes (CUDA-graph safe).
+The wrapper validates, allocates the output (and the split scratch) and launches.
 """
 
 from __future__ import annotations
@@ -114,10 +116,9 @@ def _slots(blk, iw_row, ic_row, Lw, Lc, siw_l, sic_l, w_off, c_off, skw_n, skc_n
 
 
 @triton.jit
-def _block(kw_ptr, rows, valid, q0, q1, q2, q3, m, z, acc0, acc1, acc2, acc3, offs_c, c_ok0, c_ok1, c_ok2, c_ok3,
-           scale, DC: tl.constexpr, KIND: tl.constexpr, OPT: tl.constexpr):
-    """One 64-slot step of DeepSeek's online softmax: gather K = V, s = q.k * scale, m_new = max(m, max s),
-    p = exp(s - m_new), Z = Z e^(m - m_new) + sum p, acc = acc e^(m - m_new) + round(p).v."""
+def _logits(kw_ptr, rows, valid, q0, q1, q2, q3, offs_c, c_ok0, c_ok1, c_ok2, c_ok3, scale, DC: tl.constexpr,
+            OPT: tl.constexpr):
+    """Gather a block's K = V rows (four column chunks) and its logits s = (q.k) * scale, -inf where invalid."""
     k_ptrs = kw_ptr + rows[:, None] + offs_c[None, :]
     v2 = valid[:, None]
     k0 = tl.load(k_ptrs, mask=v2 & c_ok0[None, :], other=0.0)
@@ -128,7 +129,16 @@ def _block(kw_ptr, rows, valid, q0, q1, q2, q3, m, z, acc0, acc1, acc2, acc3, of
     sc = _dot_acc(q1, tl.trans(k1), sc, OPT)
     sc = _dot_acc(q2, tl.trans(k2), sc, OPT)
     sc = _dot_acc(q3, tl.trans(k3), sc, OPT) * scale  # [BH, BLOCK] fp32 logits
-    sc = tl.where(valid[None, :], sc, float("-inf"))
+    return tl.where(valid[None, :], sc, float("-inf")), k0, k1, k2, k3
+
+
+@triton.jit
+def _block(kw_ptr, rows, valid, q0, q1, q2, q3, m, z, acc0, acc1, acc2, acc3, offs_c, c_ok0, c_ok1, c_ok2, c_ok3,
+           scale, DC: tl.constexpr, KIND: tl.constexpr, OPT: tl.constexpr):
+    """One 64-slot step of DeepSeek's online softmax: m_new = max(m, max s), p = exp(s - m_new),
+    Z = Z e^(m - m_new) + sum p, acc = acc e^(m - m_new) + round(p).v."""
+    sc, k0, k1, k2, k3 = _logits(kw_ptr, rows, valid, q0, q1, q2, q3, offs_c, c_ok0, c_ok1, c_ok2, c_ok3, scale,
+                                 DC, OPT)
     m_new = tl.maximum(m, tl.max(sc, 1))
     base = tl.where(m_new == float("-inf"), 0.0, m_new)  # 0 while nothing was valid: exp() stays finite
     alpha = tl.exp(m - base)
@@ -143,13 +153,16 @@ def _block(kw_ptr, rows, valid, q0, q1, q2, q3, m, z, acc0, acc1, acc2, acc3, of
 
 
 @triton.jit
-def _attn_kernel(q_ptr, kw_ptr, iw_ptr, kc_delta, ic_ptr, sink_ptr, o_ptr, pm_ptr, pz_ptr, pa_ptr,
+def _attn_kernel(q_ptr, kw_ptr, iw_ptr, kc_delta, ic_ptr, sink_ptr, o_ptr, bm_ptr, pm_ptr, pz_ptr, pa_ptr,
                  scale, S, H, Lw, Lc, NBS, NSPLIT,
                  sq_b, sq_s, sq_h, skw_b, skw_n, siw_b, siw_s, siw_l, skc_b, skc_n, sic_b, sic_s, sic_l,
                  so_b, so_s, so_h,
                  D: tl.constexpr, DP: tl.constexpr, BH: tl.constexpr, BLOCK: tl.constexpr,
-                 HAS_COMP: tl.constexpr, SPLIT: tl.constexpr, KIND: tl.constexpr, OUT_KIND: tl.constexpr,
-                 OPT: tl.constexpr, ALIGNED: tl.constexpr, SKIP_EMPTY: tl.constexpr):
+                 HAS_COMP: tl.constexpr, STAGE: tl.constexpr, NSP: tl.constexpr, KIND: tl.constexpr,
+                 OUT_KIND: tl.constexpr, OPT: tl.constexpr, ALIGNED: tl.constexpr):
+    """STAGE 0: the whole list, finished in place. Split lists: STAGE 1 writes each split's maximum logit
+    per head (bm); STAGE 2 walks its split from the running maximum of the splits before it (the
+    sequential walk's own m at that point, so every p and bf16(p) is the walk's) and writes (m, Z, acc)."""
     qi = tl.program_id(0)
     hg = tl.program_id(1)
     sp = tl.program_id(2)
@@ -181,6 +194,11 @@ def _attn_kernel(q_ptr, kw_ptr, iw_ptr, kc_delta, ic_ptr, sink_ptr, o_ptr, pm_pt
     w_off = b * skw_b  # element offsets from kv_win's base
     c_off = kc_delta + b * skc_b
     m = tl.full([BH], float("-inf"), tl.float32)
+    if STAGE == 2:  # the running maximum after the splits before this one
+        offs_p = tl.arange(0, NSP)
+        bm = tl.load(bm_ptr + (qi.to(tl.int64) * NSPLIT + offs_p[:, None]) * H + offs_h[None, :],
+                     mask=(offs_p[:, None] < sp) & h_ok[None, :], other=float("-inf"))
+        m = tl.max(bm, 0)
     z = tl.zeros([BH], tl.float32)
     acc0 = tl.zeros([BH, DC], tl.float32)
     acc1 = tl.zeros([BH, DC], tl.float32)
@@ -192,16 +210,22 @@ def _attn_kernel(q_ptr, kw_ptr, iw_ptr, kc_delta, ic_ptr, sink_ptr, o_ptr, pm_pt
         # a block without a valid slot leaves (m, Z, acc) exactly as they are (alpha = 1, p = 0): split
         # programs (decode, whose lists end in long -1 runs) skip it; whole-list programs keep a branch-free
         # loop body, which Triton can software-pipeline
-        if SKIP_EMPTY:
-            if tl.max(valid.to(tl.int32), 0) > 0:
-                m, z, acc0, acc1, acc2, acc3 = _block(kw_ptr, rows, valid, q0, q1, q2, q3, m, z, acc0, acc1, acc2,
-                                                      acc3, offs_c, c_ok0, c_ok1, c_ok2, c_ok3, scale, DC, KIND, OPT)
-        else:
+        if STAGE == 0:
             m, z, acc0, acc1, acc2, acc3 = _block(kw_ptr, rows, valid, q0, q1, q2, q3, m, z, acc0, acc1, acc2, acc3,
                                                   offs_c, c_ok0, c_ok1, c_ok2, c_ok3, scale, DC, KIND, OPT)
+        elif tl.max(valid.to(tl.int32), 0) > 0:
+            if STAGE == 1:
+                sc, _, _, _, _ = _logits(kw_ptr, rows, valid, q0, q1, q2, q3, offs_c, c_ok0, c_ok1, c_ok2, c_ok3,
+                                         scale, DC, OPT)
+                m = tl.maximum(m, tl.max(sc, 1))
+            else:
+                m, z, acc0, acc1, acc2, acc3 = _block(kw_ptr, rows, valid, q0, q1, q2, q3, m, z, acc0, acc1, acc2,
+                                                      acc3, offs_c, c_ok0, c_ok1, c_ok2, c_ok3, scale, DC, KIND, OPT)
     h2 = h_ok[:, None]
-    if SPLIT:
-        prow = (qi * NSPLIT + sp).to(tl.int64) * H + offs_h
+    prow = (qi * NSPLIT + sp).to(tl.int64) * H + offs_h
+    if STAGE == 1:
+        tl.store(bm_ptr + prow, m, mask=h_ok)
+    elif STAGE == 2:
         tl.store(pm_ptr + prow, m, mask=h_ok)
         tl.store(pz_ptr + prow, z, mask=h_ok)
         pa = pa_ptr + prow[:, None] * D + offs_c[None, :]
@@ -222,8 +246,11 @@ def _attn_kernel(q_ptr, kw_ptr, iw_ptr, kc_delta, ic_ptr, sink_ptr, o_ptr, pm_pt
 
 @triton.jit
 def _combine_kernel(pm_ptr, pz_ptr, pa_ptr, sink_ptr, o_ptr, S, H, D, NSPLIT, so_b, so_s, so_h,
-                    BH: tl.constexpr, BD: tl.constexpr, NSP: tl.constexpr, OUT_KIND: tl.constexpr):
-    """One program per (query, BH heads, BD output columns): the splits' partials folded in split order."""
+                    BH: tl.constexpr, BD: tl.constexpr, NSP: tl.constexpr, ONE_SHOT: tl.constexpr,
+                    OUT_KIND: tl.constexpr):
+    """One program per (query, BH heads, BD output columns): m* = max m_i, Z = sum Z_i e^(m_i - m*),
+    acc = sum acc_i e^(m_i - m*) over the splits, then the sink and o = acc / Z. ONE_SHOT: all splits'
+    [BH, BD] partials in one [NSP, BH, BD] load (no serial chain of loads), else a loop over the splits."""
     qi = tl.program_id(0)
     hg = tl.program_id(1)
     dg = tl.program_id(2)
@@ -241,13 +268,20 @@ def _combine_kernel(pm_ptr, pz_ptr, pa_ptr, sink_ptr, o_ptr, S, H, D, NSPLIT, so
     pz = tl.load(pz_ptr + pidx, mask=pmask, other=0.0)
     m = tl.max(pm, 0)
     base = tl.where(m == float("-inf"), 0.0, m)
-    z = tl.sum(pz * tl.exp(pm - base[None, :]), 0)
-    acc = tl.zeros([BH, BD], tl.float32)
-    for i in range(NSPLIT):
-        prow = (row0 + i) * H + offs_h
-        wi = tl.exp(tl.load(pm_ptr + prow, mask=h_ok, other=float("-inf")) - base)
-        a = tl.load(pa_ptr + prow[:, None] * D + offs_d[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0)
-        acc = acc + a * wi[:, None]
+    wgt = tl.exp(pm - base[None, :])  # [NSP, BH]; 0 for splits without a valid slot
+    z = tl.sum(pz * wgt, 0)
+    if ONE_SHOT:
+        a = tl.load(pa_ptr + pidx[:, :, None] * D + offs_d[None, None, :],
+                    mask=pmask[:, :, None] & d_ok[None, None, :], other=0.0)  # [NSP, BH, BD]
+        acc = tl.sum(a * wgt[:, :, None], 0)
+    else:
+        acc = tl.zeros([BH, BD], tl.float32)
+        for i in range(NSPLIT):
+            prow = (row0 + i) * H + offs_h
+            wi = tl.exp(tl.load(pm_ptr + prow, mask=h_ok, other=float("-inf")) - base)
+            a = tl.load(pa_ptr + prow[:, None] * D + offs_d[None, :], mask=h_ok[:, None] & d_ok[None, :],
+                        other=0.0)
+            acc = acc + a * wi[:, None]
     sink = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0)
     z = z + tl.exp(sink - base)
     o = tl.math.div_rn(acc, z[:, None])
@@ -268,7 +302,7 @@ _SMS: dict[int, int] = {}
 
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
-        return 8  # the Triton interpreter: few programs run fastest; still exercises the split path
+        return 16  # the Triton interpreter: as few programs as still exercise the split path for S <= 3
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _SMS:
         _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
@@ -281,22 +315,21 @@ def _num_sms(device: torch.device) -> int:
 # chunks) walk their whole list in one program each, exact to the sequential walk.
 CONFIG = {
     "split": {"bh": 16, "warps": 4, "stages": 1, "blocks_per_split": 1},
-    "whole": {"bh": 32, "warps": 4, "stages": 2},
-    "programs_per_sm": 1.0,  # a call with at least this many (query, head group) programs per SM: no split
+    "whole": {"bh": 64, "warps": 8, "stages": 2},
+    "programs_per_sm": 1.0,  # no split once the split kernel's (query, head group) programs alone fill the SMs
 }
 
 
 def config(B: int, S: int, H: int, L: int, device: torch.device) -> dict:
     """{bh, warps, stages, nsplit, bps}: the launch for a call (a fixed function of the shapes)."""
     nblk = max(triton.cdiv(L, BLOCK), 1)
-    w = CONFIG["whole"]
-    bh = max(16, min(w["bh"], _pow2_ge(H)))
-    if B * S * triton.cdiv(H, bh) >= _num_sms(device) * CONFIG["programs_per_sm"] or nblk < 2:
-        return dict(bh=bh, warps=w["warps"], stages=w["stages"], nsplit=1, bps=nblk)
-    sp = CONFIG["split"]
+    sp, w = CONFIG["split"], CONFIG["whole"]
+    sbh = max(16, min(sp["bh"], _pow2_ge(H)))
+    if B * S * triton.cdiv(H, sbh) >= _num_sms(device) * CONFIG["programs_per_sm"] or nblk < 2:
+        return dict(bh=max(16, min(w["bh"], _pow2_ge(H))), warps=w["warps"], stages=w["stages"], nsplit=1,
+                    bps=nblk)
     bps = max(1, sp["blocks_per_split"])
-    return dict(bh=max(16, min(sp["bh"], _pow2_ge(H))), warps=sp["warps"], stages=sp["stages"],
-                nsplit=triton.cdiv(nblk, bps), bps=bps)
+    return dict(bh=sbh, warps=sp["warps"], stages=sp["stages"], nsplit=triton.cdiv(nblk, bps), bps=bps)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -360,29 +393,36 @@ def sparse_attn(q: torch.Tensor, kv_win: torch.Tensor, idx_win: torch.Tensor, kv
     grid = (B * S, triton.cdiv(H, bh), nsplit)
     split = nsplit > 1
     if split:
-        pm = torch.empty(B * S * nsplit * H, dtype=torch.float32, device=q.device)
-        pz = torch.empty_like(pm)
+        bm = torch.empty(B * S * nsplit * H, dtype=torch.float32, device=q.device)
+        pm = torch.empty_like(bm)
+        pz = torch.empty_like(bm)
         pa = torch.empty(B * S * nsplit * H * D, dtype=torch.float32, device=q.device)
     else:
-        pm = pz = pa = sink  # unused
+        bm = pm = pz = pa = sink  # unused
     opts = {"num_warps": c["warps"], "num_stages": c["stages"]} if q.is_cuda else {}
     # compressed rows are addressed from kv_win's base: their distance in elements (same dtype, so exact)
     kc_delta = (kc.data_ptr() - kv_win.data_ptr()) // kv_win.element_size()
     aligned = all(v % 16 == 0 for v in (kc_delta, kv_win.stride(0), kv_win.stride(1), kc.stride(0), kc.stride(1)))
-    _attn_kernel[grid](q, kv_win, idx_win, kc_delta, ic, sink, o, pm, pz, pa,
-                       float(scale), S, H, Lw, Lc, bps, nsplit,
-                       q.stride(0), q.stride(1), q.stride(2), kv_win.stride(0), kv_win.stride(1),
-                       idx_win.stride(0), idx_win.stride(1), idx_win.stride(2),
-                       kc.stride(0), kc.stride(1), ic.stride(0), ic.stride(1), ic.stride(2),
-                       o.stride(0), o.stride(1), o.stride(2),
-                       D=D, DP=DP, BH=bh, BLOCK=BLOCK, HAS_COMP=has_comp, SPLIT=split, KIND=kind, OUT_KIND=kind,
-                       OPT=opt, ALIGNED=aligned, SKIP_EMPTY=split, **opts)
+    args = (q, kv_win, idx_win, kc_delta, ic, sink, o, bm, pm, pz, pa,
+            float(scale), S, H, Lw, Lc, bps, nsplit,
+            q.stride(0), q.stride(1), q.stride(2), kv_win.stride(0), kv_win.stride(1),
+            idx_win.stride(0), idx_win.stride(1), idx_win.stride(2),
+            kc.stride(0), kc.stride(1), ic.stride(0), ic.stride(1), ic.stride(2),
+            o.stride(0), o.stride(1), o.stride(2))
+    meta = dict(D=D, DP=DP, BH=bh, BLOCK=BLOCK, HAS_COMP=has_comp, NSP=_pow2_ge(nsplit), KIND=kind, OUT_KIND=kind,
+                OPT=opt, ALIGNED=aligned, **opts)
+    for stage in ((1, 2) if split else (0,)):  # split: the splits' maxima first, then the seeded walks
+        _attn_kernel[grid](*args, STAGE=stage, **meta)
     if split:
-        cbh, cbd = 16, 64
+        # combine tiles: all splits of BH heads x BD columns in one load while that stays <= 8K fp32 values
+        nsp = _pow2_ge(nsplit)
+        cbh = 8
+        one_shot = nsp <= 64
+        cbd = max(16, min(64, 8192 // (nsp * cbh))) if one_shot else 64
         copts = {"num_warps": 4} if q.is_cuda else {}
         _combine_kernel[(B * S, triton.cdiv(H, cbh), triton.cdiv(D, cbd))](
             pm, pz, pa, sink, o, S, H, D, nsplit, o.stride(0), o.stride(1), o.stride(2),
-            BH=cbh, BD=cbd, NSP=_pow2_ge(nsplit), OUT_KIND=kind, **copts)
+            BH=cbh, BD=cbd, NSP=nsp, ONE_SHOT=one_shot, OUT_KIND=kind, **copts)
     return o
 
 

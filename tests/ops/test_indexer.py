@@ -8,7 +8,6 @@ tier (`gpu` mark): Flash shapes (64 heads x 128, k = 512) over 4K, 32K and 262K 
 1M context), decode and 128-query prefill, and CUDA-graph capture (replay == eager, bitwise).
 """
 
-import os
 import sys
 from pathlib import Path
 
