@@ -74,6 +74,19 @@ def moe_experts_ref(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w
     return y.to(x.dtype)
 
 
+def load_triton_module():
+    """dsv4.ops.moe_triton, or None where it cannot be imported (no Triton on this machine): then the references
+    run and `ops.configure` lists the ops as such."""
+    try:
+        from dsv4.ops import moe_triton
+    except ImportError:
+        return None
+    return moe_triton
+
+
 def register_ops(register) -> None:
-    register("router", router_ref, doc="gate scores, hash or bias-corrected top-k, normalised weights")
-    register("moe_experts", moe_experts_ref, doc="routed + shared clamped-SwiGLU experts, weighted sum")
+    moe_triton = load_triton_module()
+    register("router", router_ref, getattr(moe_triton, "router", None), interpretable=True,
+             doc="gate scores, hash or bias-corrected top-k, normalised weights")
+    register("moe_experts", moe_experts_ref, getattr(moe_triton, "moe_experts", None), interpretable=True,
+             doc="routed + shared clamped-SwiGLU experts, weighted sum")
