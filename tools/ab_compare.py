@@ -99,10 +99,13 @@ def compare(op: str, fast, ref, args: tuple = ()) -> dict:
                 worst["rel"] = float("inf")
             continue
         af, bf = a.float().flatten(), b.float().flatten()
-        finite = bool(torch.isfinite(af).all())
-        d = (af - bf).abs()
+        d = torch.where(af == bf, 0.0, (af - bf).abs())  # equal infinities (e.g. -inf gate scores) agree
+        finite = bool(torch.isfinite(d).all())
+        keep = torch.isfinite(af) & torch.isfinite(bf)  # the scale, L2 and cosine over the finite values
+        af, bf, d = af[keep], bf[keep], d[keep]
         mab = d.max().item() if d.numel() else 0.0
-        rel = mab / max(bf.abs().max().item(), 1e-30) if finite else float("inf")
+        scale = bf.abs().max().item() if bf.numel() else 0.0
+        rel = mab / max(scale, 1e-30) if finite else float("inf")
         l2 = (d.norm() / bf.norm().clamp_min(1e-30)).item()
         cos = torch.nn.functional.cosine_similarity(af, bf, dim=0).item() if af.numel() else 1.0
         worst["max_abs"] = max(worst["max_abs"], mab)

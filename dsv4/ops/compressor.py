@@ -93,5 +93,10 @@ def compressor_ref(c: torch.Tensor, g: torch.Tensor, ape: torch.Tensor, norm_w: 
 
 
 def register_ops(register) -> None:
-    register("compressor", compressor_ref,
-             doc="compressor state update: gated pooling, norm, RoPE, quant simulation, entry insert")
+    try:
+        from dsv4.ops import compressor_triton as fast
+    except ImportError:  # no Triton here: the reference runs
+        fast = None
+    register("compressor", compressor_ref, getattr(fast, "compressor", None), interpretable=True,
+             doc="compressor state update: gated pooling, norm, RoPE, quant simulation, entry insert "
+                 "(fast: the decode step; chunks run the reference)")

@@ -1,0 +1,165 @@
+"""Triton fast path of the compressor update for the decode step (S = 1); chunks (S > 1) run the reference.
+
+Same signature and result as `compressor_ref` (dsv4/ops/compressor.py). Two launches per call:
+1. `_pool_kernel`, grid (B, d / BLOCK): for its channels, assemble the open window's rows (the state's rows
+   before the token, the token's projection (+ ape) at its slot, empty rows after it; CSA: the previous
+   window's A halves first), pool them (softmax over the rows per channel, as torch: max, exp, sum, divide),
+   write the pooled value to a scratch row, and write the new state (the open rows as assembled; CSA: the
+   window becomes the previous one when it closes);
+2. `_finish_kernel`, grid (B,): bf16 cast, weighted RMSNorm, RoPE at the window's first position, the FP8
+   simulation of the no-RoPE dims (block 64), and the insert at the window's entry (or the spare row when
+   the window stays open). The indexer's keys (Hadamard + FP4 simulation) are finished by the reference
+   `finish_entries` after launch 1.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4.ops.compressor import compressor_ref, finish_entries
+from dsv4.ops.triton_util import cast, e4m3_round, round_to
+
+def _block(ratio: int, overlap: bool) -> int:
+    """Channels per program: the rows x channels tiles stay ~2K elements (HCA pools 128 rows)."""
+    rows = triton.next_power_of_2(ratio) * (2 if overlap else 1)
+    return max(16, min(64, 4096 // rows))
+
+
+@triton.jit
+def _pool_kernel(c_ptr, g_ptr, ape_ptr, kv_ptr, sc_ptr, e_ptr, start_ptr, C, d,
+                 R: tl.constexpr, OVERLAP: tl.constexpr, RP: tl.constexpr, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    ch = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    cm = ch < d
+    pos = tl.load(start_ptr)
+    k0 = (pos % R).to(tl.int32)
+    rows = tl.arange(0, RP)  # open-window rows 0..R-1 (padded to RP)
+    rm = rows < R
+    OFF: tl.constexpr = R if OVERLAP else 0
+    HB: tl.constexpr = 1 if OVERLAP else 0  # CSA: this window's values are the B halves (columns d..2d)
+    base = kv_ptr + b * (2 * R if OVERLAP else R) * C
+    sbase = sc_ptr + b * (2 * R if OVERLAP else R) * C
+    col = ch + HB * d
+    st_off = (OFF + rows[:, None]) * C + col[None, :]
+    m2 = rm[:, None] & cm[None, :]
+    old_v = tl.load(base + st_off, mask=m2, other=0.0)
+    old_g = tl.load(sbase + st_off, mask=m2, other=float("-inf"))
+    new_v = tl.load(c_ptr + b * C + col, mask=cm, other=0.0)
+    new_g = tl.load(g_ptr + b * C + col, mask=cm, other=0.0) + tl.load(ape_ptr + k0 * C + col, mask=cm, other=0.0)
+    is_new = (rows == k0)[:, None]
+    before = (rows < k0)[:, None]
+    v = tl.where(is_new, new_v[None, :], tl.where(before, old_v, 0.0))
+    gt = tl.where(is_new, new_g[None, :], tl.where(before, old_g, float("-inf")))
+    gt = tl.where(m2, gt, float("-inf"))
+    if OVERLAP:  # the previous window's A halves (state rows 0..R-1, columns 0..d) join the softmax
+        p_off = rows[:, None] * C + ch[None, :]
+        pv = tl.load(base + p_off, mask=m2, other=0.0)
+        pg = tl.load(sbase + p_off, mask=m2, other=float("-inf"))
+        mx = tl.maximum(tl.max(gt, axis=0), tl.max(pg, axis=0))
+        ex = tl.exp(gt - mx[None, :])
+        ep = tl.exp(pg - mx[None, :])
+        den = tl.sum(ep, axis=0) + tl.sum(ex, axis=0)
+        e = tl.sum(pv * (ep / den[None, :]), axis=0) + tl.sum(v * (ex / den[None, :]), axis=0)
+    else:
+        mx = tl.max(gt, axis=0)
+        ex = tl.exp(gt - mx[None, :])
+        e = tl.sum(v * (ex / tl.sum(ex, axis=0)[None, :]), axis=0)
+    tl.store(e_ptr + b * d + ch, e, mask=cm)
+    # ---- the new state: the open rows as assembled (all C columns: this program's A and B columns)
+    closes = k0 == R - 1
+    for h in tl.static_range(2 if OVERLAP else 1):
+        colh = ch + h * d
+        ov = tl.load(base + (OFF + rows[:, None]) * C + colh[None, :], mask=m2, other=0.0)
+        og = tl.load(sbase + (OFF + rows[:, None]) * C + colh[None, :], mask=m2, other=float("-inf"))
+        nv = tl.load(c_ptr + b * C + colh, mask=cm, other=0.0)
+        ng = tl.load(g_ptr + b * C + colh, mask=cm, other=0.0) + tl.load(ape_ptr + k0 * C + colh, mask=cm,
+                                                                        other=0.0)
+        wv = tl.where(is_new, nv[None, :], tl.where(before, ov, 0.0))
+        wg = tl.where(is_new, ng[None, :], tl.where(before, og, float("-inf")))
+        tl.debug_barrier()
+        tl.store(base + (OFF + rows[:, None]) * C + colh[None, :], wv, mask=m2)
+        tl.store(sbase + (OFF + rows[:, None]) * C + colh[None, :], wg, mask=m2)
+        if OVERLAP:
+            if closes:  # the closed window becomes the previous one
+                tl.store(base + rows[:, None] * C + colh[None, :], wv, mask=m2)
+                tl.store(sbase + rows[:, None] * C + colh[None, :], wg, mask=m2)
+
+
+@triton.jit
+def _ue8m0(v):
+    bits = v.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    return (e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _finish_kernel(e_ptr, w_ptr, cos_ptr, sin_ptr, ent_ptr, start_ptr, d, n_rows, eps, n_pos,
+                   R: tl.constexpr, RD2: tl.constexpr, NOPE: tl.constexpr, NB_P: tl.constexpr,
+                   QUANT: tl.constexpr, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    DT: tl.constexpr = ent_ptr.dtype.element_ty
+    pos = tl.load(start_ptr)
+    w = pos // R
+    spare = n_rows - 1
+    row = tl.where((pos + 1) % R == 0, tl.minimum(w, spare), spare)
+    out = ent_ptr + (b * n_rows + row) * d
+    i = tl.arange(0, BLOCK)
+    m = i < d
+    x = round_to(tl.load(e_ptr + b * d + i, mask=m, other=0.0), DT)  # e.to(dtype)
+    x = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / d + eps))
+    y = cast(tl.load(w_ptr + i, mask=m, other=0.0).to(tl.float32) * x, DT)
+    tl.store(out + i, y, mask=m)
+    tl.debug_barrier()
+    # RoPE at the window's first position w * R
+    p = tl.minimum(w * R, n_pos - 1)
+    j = tl.arange(0, RD2)
+    a = tl.load(out + d - 2 * RD2 + 2 * j).to(tl.float32)
+    bb = tl.load(out + d - 2 * RD2 + 2 * j + 1).to(tl.float32)
+    cs = tl.load(cos_ptr + p * RD2 + j)
+    sn = tl.load(sin_ptr + p * RD2 + j)
+    tl.debug_barrier()
+    tl.store(out + d - 2 * RD2 + 2 * j, cast(a * cs - bb * sn, DT))
+    tl.store(out + d - 2 * RD2 + 2 * j + 1, cast(a * sn + bb * cs, DT))
+    if QUANT:  # FP8-simulate the no-RoPE dims in blocks of 64
+        tl.debug_barrier()
+        nb = tl.arange(0, NB_P)
+        k = tl.arange(0, 64)
+        bm = (nb < NOPE // 64)[:, None]
+        off = nb[:, None] * 64 + k[None, :]
+        v = tl.load(out + off, mask=bm, other=0.0).to(tl.float32)
+        s = _ue8m0(tl.maximum(tl.max(tl.abs(v), axis=1), 1e-4) * (1.0 / 448.0))
+        q = e4m3_round(tl.minimum(tl.maximum(v / s[:, None], -448.0), 448.0))
+        tl.debug_barrier()
+        tl.store(out + off, cast(q * s[:, None], DT), mask=bm)
+
+
+def compressor(c: torch.Tensor, g: torch.Tensor, ape: torch.Tensor, norm_w: torch.Tensor, eps: float,
+               cos_tab: torch.Tensor, sin_tab: torch.Tensor, kv_state: torch.Tensor, score_state: torch.Tensor,
+               entries: torch.Tensor, start: torch.Tensor, ratio: int, overlap: bool, quant: str | None) -> None:
+    B, S, C = c.shape
+    if S != 1 or not (kv_state.is_contiguous() and score_state.is_contiguous() and entries.is_contiguous()):
+        return compressor_ref(c, g, ape, norm_w, eps, cos_tab, sin_tab, kv_state, score_state, entries, start,
+                              ratio, overlap, quant)
+    d = C // 2 if overlap else C
+    c2, g2 = c.reshape(B, C).contiguous(), g.reshape(B, C).contiguous()
+    e = torch.empty(B, d, dtype=torch.float32, device=c.device)
+    blk = _block(ratio, overlap)
+    _pool_kernel[(B, triton.cdiv(d, blk))](c2, g2, ape.contiguous(), kv_state, score_state, e, start, C, d,
+                                           R=ratio, OVERLAP=overlap, RP=triton.next_power_of_2(ratio), BLOCK=blk)
+    rd2 = cos_tab.shape[-1]
+    if quant == "fp4":  # the indexer's keys: Hadamard + FP4 simulation by the reference finish
+        w = start // ratio
+        emit = (start + 1) % ratio == 0
+        spare = entries.shape[1] - 1
+        pos = (w * ratio).clamp_max(cos_tab.shape[0] - 1)
+        out = finish_entries(e.view(B, 1, d), norm_w, eps, cos_tab[pos], sin_tab[pos], quant, entries.dtype)
+        entries.index_copy_(1, torch.where(emit, w.clamp_max(spare), spare), out)
+        return None
+    nope = d - 2 * rd2
+    _finish_kernel[(B,)](e, norm_w, cos_tab.contiguous(), sin_tab.contiguous(), entries, start, d,
+                         entries.shape[1], eps, cos_tab.shape[0], R=ratio, RD2=rd2, NOPE=nope,
+                         NB_P=triton.next_power_of_2(max(nope // 64, 1)), QUANT=quant == "fp8",
+                         BLOCK=triton.next_power_of_2(d))
+    return None
