@@ -292,6 +292,22 @@ class Engine:
             from dsv4.graphs import DecodeRunner
 
             self.runner = DecodeRunner(model, self.state, use_graphs=True)
+            self._warm_up()
+
+    # prefill chunk lengths that select every kernel variant a prompt can need (tiles by power-of-two token
+    # counts, 16-divisible or not): compiled here, at load, instead of during the first request
+    WARM_UP_CHUNKS = (2, 3, 8, 16, 17, 64, 65, 128)
+
+    def _warm_up(self) -> None:
+        """Run one prefill chunk of each WARM_UP_CHUNKS length (the graphs' capture already ran the decode
+        step), so that no kernel is compiled on the first request; the state is reset afterwards."""
+        with torch.no_grad():
+            for n in self.WARM_UP_CHUNKS:
+                if n < self.max_context:
+                    ids = torch.zeros(1, n, dtype=torch.long, device=self.input_device)
+                    self.model(ids, self.state, last_only=True)
+                    self.state.reset()
+        self.state_ids = []
 
     @classmethod
     def from_pretrained(cls, path: str | Path | CheckpointInfo | None = None, *,

@@ -19,7 +19,7 @@ class CompressorState:
     kv / score: fp32 [B, coff*r, coff*d]. CSA (coff=2): slots 0..r-1 = previous complete window,
     slots r..2r-1 = current window; HCA (coff=1): slot = p mod r. Scores include `ape`.
     entries: [B, max_len // r + 1, d] in the activation dtype (post norm/RoPE/quant simulation); the
-    spare last slot is the target of the static decode step while a never-closing window is open.
+    spare last row belongs to a window that cannot close within max_len (no query reads it).
     """
 
     def __init__(self, batch: int, ratio: int, dim: int, overlap: bool, max_len: int, dtype, device):

@@ -138,18 +138,29 @@ def profile_layer(run, device) -> dict:
             torch.cuda.synchronize(device)
     finally:
         ops.set_hook(None)
+    from torch.autograd import DeviceType
+
+    def category(node) -> str:
+        while node is not None:
+            if node.name.startswith("op:"):
+                return CATEGORY.get(node.name[3:], "other")
+            node = node.cpu_parent
+        return "other"
+
     split = dict.fromkeys(PARTS, 0.0)
     kernels = 0
-    for ev in prof.events():
-        for k in getattr(ev, "kernels", []) or []:
-            node, cat = ev, "other"
-            while node is not None:
-                if node.name.startswith("op:"):
-                    cat = CATEGORY.get(node.name[3:], "other")
-                    break
-                node = node.cpu_parent
-            split[cat] += k.duration / 1e3  # us -> ms
+    events = prof.events()
+    device_events = [e for e in events if e.device_type == DeviceType.CUDA and "memcpy" not in e.name.lower()
+                     and "memset" not in e.name.lower()]
+    if device_events:  # every kernel (aten's and Triton's) is a device event linked to its launching range
+        for ev in device_events:
+            split[category(ev.cpu_parent)] += ev.device_time_total / 1e3  # us -> ms
             kernels += 1
+    else:  # older profilers: kernels hang off the CPU op that launched them
+        for ev in events:
+            for k in getattr(ev, "kernels", []) or []:
+                split[category(ev)] += k.duration / 1e3
+                kernels += 1
     return {"kernels": kernels, "split_ms": split}
 
 

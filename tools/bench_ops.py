@@ -204,6 +204,11 @@ def main(argv=None) -> int:
     from dsv4 import ops
 
     dev = torch.device(args.device)
+    if dev.type != "cuda":
+        print(f"error: --device must be a CUDA device, got {args.device!r}", file=sys.stderr)
+        return 2
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.set_device(dev)
     ms = [int(m) for m in args.m.split(",")]
     cases = build_cases(dev)

@@ -10,7 +10,8 @@ the S = 1 decode step is captured once and right at every position):
   cast to the entries dtype, RMSNorm, RoPE at position w*r, then the quantization simulation
   ("fp8": FP8 block 64 on the no-RoPE dims; "fp4": Hadamard + FP4 block 32 (indexer keys); None);
 - the state keeps the open window's rows and (CSA) the last closed window.
-Entries of windows that do not close go to the spare last row of `entries`, which no query reads.
+Windows that do not close leave their entry row as it is (the spare last row of `entries` takes a window
+that never closes within the state's length; no query reads it).
 """
 
 from __future__ import annotations
@@ -71,8 +72,10 @@ def compressor_ref(c: torch.Tensor, g: torch.Tensor, ape: torch.Tensor, norm_w: 
     emit = (w + 1) * r - 1 <= start + S - 1  # the window's last token is in this chunk
     rope_pos = (w * r).clamp_max(cos_tab.shape[0] - 1)
     e = finish_entries(e, norm_w, eps, cos_tab[rope_pos], sin_tab[rope_pos], quant, entries.dtype)
-    spare = entries.shape[1] - 1
-    entries.index_copy_(1, torch.where(emit, w.clamp_max(spare), spare), e)
+    # windows that stay open keep their row as it is (written back unchanged): every index names one window
+    # and the result is deterministic (a scatter of duplicate indices would not be)
+    slot = w.clamp_max(entries.shape[1] - 1)
+    entries.index_copy_(1, slot, torch.where(emit[None, :, None], e, entries.index_select(1, slot)))
 
     # the open window after the chunk (its first (start+S) % r rows matter) and CSA's last closed one
     end = start + S

@@ -7,8 +7,8 @@ Same signature and result as `compressor_ref` (dsv4/ops/compressor.py). Two laun
    write the pooled value to a scratch row, and write the new state (the open rows as assembled; CSA: the
    window becomes the previous one when it closes);
 2. `_finish_kernel`, grid (B,): bf16 cast, weighted RMSNorm, RoPE at the window's first position, the FP8
-   simulation of the no-RoPE dims (block 64), and the insert at the window's entry (or the spare row when
-   the window stays open). The indexer's keys (Hadamard + FP4 simulation) are finished by the reference
+   simulation of the no-RoPE dims (block 64), and the insert at the window's entry when it closes (a window
+   that stays open leaves its row as it is). The indexer's keys (Hadamard + FP4 simulation) are finished by the reference
    `finish_entries` after launch 1.
 """
 
@@ -101,9 +101,10 @@ def _finish_kernel(e_ptr, w_ptr, cos_ptr, sin_ptr, ent_ptr, start_ptr, d, n_rows
     b = tl.program_id(0)
     DT: tl.constexpr = ent_ptr.dtype.element_ty
     pos = tl.load(start_ptr)
+    if (pos + 1) % R != 0:  # the window stays open: its entry row is left as it is (as the reference)
+        return
     w = pos // R
-    spare = n_rows - 1
-    row = tl.where((pos + 1) % R == 0, tl.minimum(w, spare), spare)
+    row = tl.minimum(w, n_rows - 1)
     out = ent_ptr + (b * n_rows + row) * d
     i = tl.arange(0, BLOCK)
     m = i < d
@@ -152,10 +153,10 @@ def compressor(c: torch.Tensor, g: torch.Tensor, ape: torch.Tensor, norm_w: torc
     if quant == "fp4":  # the indexer's keys: Hadamard + FP4 simulation by the reference finish
         w = start // ratio
         emit = (start + 1) % ratio == 0
-        spare = entries.shape[1] - 1
+        slot = w.clamp_max(entries.shape[1] - 1)
         pos = (w * ratio).clamp_max(cos_tab.shape[0] - 1)
         out = finish_entries(e.view(B, 1, d), norm_w, eps, cos_tab[pos], sin_tab[pos], quant, entries.dtype)
-        entries.index_copy_(1, torch.where(emit, w.clamp_max(spare), spare), out)
+        entries.index_copy_(1, slot, torch.where(emit, out, entries.index_select(1, slot)))
         return None
     nope = d - 2 * rd2
     _finish_kernel[(B,)](e, norm_w, cos_tab.contiguous(), sin_tab.contiguous(), entries, start, d,
