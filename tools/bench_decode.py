@@ -298,8 +298,8 @@ def main(argv=None) -> int:
     for r in results:
         for kind, pr in r.get("profile", {}).items():
             parts = ", ".join(f"{k} {v:.3f}" for k, v in pr["split_ms"].items())
-            print(f"profile ctx {r['context']} {kind}: {pr['kernels']} kernels per layer step; GPU ms: {parts} "
-                  f"(sum {sum(pr['split_ms'].values()):.3f})")
+            print(f"profile ctx {r['context']} {kind}: {pr['kernels']} kernels per layer step (eager step, device "
+                  f"events); kernel time by part, ms: {parts}")
     out = {"device": dev_name, "devices": devices, "torch": torch.__version__, "python": platform.python_version(),
            "layers": args.layers, "layer_kinds": [s.attn for s in cfg.layers], "numerics": args.numerics,
            "copy_GBps": bw, "floor_GB_per_token": FLOOR_GB_PER_TOKEN, "floor_ms_at_copy_bw": floor_ms,
