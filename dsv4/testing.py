@@ -91,6 +91,23 @@ def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor, name: str) -> None:
                              f"{a[coord].item()} vs reference {b[coord].item()}")
 
 
+def graph_replay(fn):
+    """Warm `fn` up on a side stream, capture one call in a CUDA graph, replay it; returns (eager result of a
+    call made before the capture, the graph's output after replay) for a bitwise comparison."""
+    want = fn()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return want, out
+
+
 def tiny_config(ratios: list[int], *, n_mtp: int = 1, num_hash_layers: int = 1, hidden: int = 64,
                 heads: int = 4, head_dim: int = 64, rope_dim: int = 16, window: int = 16, index_topk: int = 5,
                 index_heads: int = 16, index_dim: int = 32, experts: int = 8, topk: int = 2, vocab: int = 300,

@@ -232,7 +232,7 @@ def main(argv=None) -> int:
                 if fn is None or (backend == "ref" and args.no_ref):
                     row[f"{backend}_us"] = None
                     continue
-                us, graphed = time_us(lambda fn=fn: fn(*op_args), args.calls, args.reps)
+                us, graphed = time_us(lambda fn=fn, a=op_args: fn(*a), args.calls, args.reps)
                 row[f"{backend}_us"], row[f"{backend}_graph"] = us, graphed
             best = row.get("fast_us") or row.get("ref_us")
             row["gbps"] = moved / (best * 1e-6) / 1e9 if best else None

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from dsv4.ops.compressor import compressor_ref, finish_entries
-from dsv4.ops.triton_util import cast, e4m3_round, round_to
+from dsv4.ops.triton_util import cast, e4m3_round, round_to, ue8m0_scale
 
 def _block(ratio: int, overlap: bool) -> int:
     """Channels per program: the rows x channels tiles stay ~2K elements (HCA pools 128 rows)."""
@@ -88,13 +88,6 @@ def _pool_kernel(c_ptr, g_ptr, ape_ptr, kv_ptr, sc_ptr, e_ptr, start_ptr, C, d,
 
 
 @triton.jit
-def _ue8m0(v):
-    bits = v.to(tl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-    return (e << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _finish_kernel(e_ptr, w_ptr, cos_ptr, sin_ptr, ent_ptr, start_ptr, d, n_rows, eps, n_pos,
                    R: tl.constexpr, RD2: tl.constexpr, NOPE: tl.constexpr, NB_P: tl.constexpr,
                    QUANT: tl.constexpr, BLOCK: tl.constexpr):
@@ -130,7 +123,7 @@ def _finish_kernel(e_ptr, w_ptr, cos_ptr, sin_ptr, ent_ptr, start_ptr, d, n_rows
         bm = (nb < NOPE // 64)[:, None]
         off = nb[:, None] * 64 + k[None, :]
         v = tl.load(out + off, mask=bm, other=0.0).to(tl.float32)
-        s = _ue8m0(tl.maximum(tl.max(tl.abs(v), axis=1), 1e-4) * (1.0 / 448.0))
+        s, _ = ue8m0_scale(tl.max(tl.abs(v), axis=1))
         q = e4m3_round(tl.minimum(tl.maximum(v / s[:, None], -448.0), 448.0))
         tl.debug_barrier()
         tl.store(out + off, cast(q * s[:, None], DT), mask=bm)

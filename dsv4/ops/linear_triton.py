@@ -28,14 +28,14 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.ops.act_quant import FP8_MAX_INV
+from dsv4.ops.triton_util import ue8m0_scale
+
 from dsv4.ops.linear import ACT_BLOCK, PreparedLinear
 
 FP8_DOT = True  # fp8 x fp8 tensor-core dots for FP8 weights with bf16 output (sm_90+)
 
 _FMTS = {"dense": 0, "fp8": 1, "mxfp4": 2, "nvfp4": 3}  # the kernels' FMT constexpr
 _GROUP = {"mxfp4": 32, "nvfp4": 16}  # fp4 scale group along K
-_INV448 = tl.constexpr(FP8_MAX_INV)  # fp32(1/448), the reference's fp8_max_inv
 _X_DTYPES = (torch.bfloat16, torch.float32)
 _OUT_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -45,17 +45,6 @@ _DOT_BF16, _DOT_FP8, _DOT_SPLIT3, _DOT_IEEE = 0, 1, 2, 3
 
 # ---------------------------------------------------------------------------------------------------------
 # device helpers
-
-
-@triton.jit
-def _ue8m0_scale(amax):
-    """amax (fp32, any shape) -> (s, 1/s): s = 2^ceil(log2(max(amax, 1e-4) * fp32(1/448))), exact."""
-    y = tl.maximum(amax, 1e-4) * _INV448
-    bits = y.to(tl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-    s = (e << 23).to(tl.float32, bitcast=True)
-    inv = ((254 - e) << 23).to(tl.float32, bitcast=True)
-    return s, inv
 
 
 @triton.jit
@@ -154,7 +143,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, g_ptr, o_ptr, M, N, K,
             r3 = tl.arange(0, R)[None, :, None]
             k3 = k0 + r3 * 128 + tl.arange(0, 128)[None, None, :]
             xb = tl.load(x_ptr + m3 * sx_m + k3, mask=(m3 < M) & (k3 < K), other=0.0).to(tl.float32)
-            s, inv = _ue8m0_scale(tl.max(tl.abs(xb), axis=2))
+            s, inv = ue8m0_scale(tl.max(tl.abs(xb), axis=2))
             xq = _e4m3_grid(xb, inv[:, :, None]) * s[:, :, None]
             if FMT == 1:
                 kb = k0 // 128 + tl.arange(0, R)
@@ -214,7 +203,7 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, sx_m, R: tl.constexpr, BMQ: tl.
     k3 = r3 * 128 + tl.arange(0, 128)[None, None, :]
     ok = (m3 < M) & (k3 < K)
     xb = tl.load(x_ptr + m3.to(tl.int64) * sx_m + k3, mask=ok, other=0.0).to(tl.float32)
-    s, inv = _ue8m0_scale(tl.max(tl.abs(xb), axis=2))
+    s, inv = ue8m0_scale(tl.max(tl.abs(xb), axis=2))
     tl.store(q_ptr + m3.to(tl.int64) * K + k3, _e4m3(xb, inv[:, :, None], HW_CVT), mask=ok)
     m2 = tl.program_id(0) * BMQ + tl.arange(0, BMQ)[:, None]
     r2 = tl.program_id(1) * R + tl.arange(0, R)[None, :]
@@ -264,7 +253,7 @@ def _mm_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, g_ptr, o_ptr, M, N, K,
                 xa = x.to(OPT)
         elif ACT_QUANT:
             xf = x.to(tl.float32)
-            sa, inv = _ue8m0_scale(tl.max(tl.abs(xf), axis=1))  # [BM]
+            sa, inv = ue8m0_scale(tl.max(tl.abs(xf), axis=1))  # [BM]
             q = _e4m3_grid(xf, inv[:, None])
             if DOT == 1:
                 xa = q.to(tl.float8e4nv)  # exact: q is on the e4m3 grid

@@ -43,31 +43,20 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.ops.act_quant import FP8_MAX_INV
+from dsv4.ops.triton_util import ue8m0_scale
+
 from dsv4.ops.linear import ACT_BLOCK, PreparedLinear
 
 DECODE_MAX_T = 1  # tokens up to this take the two-launch decode kernels; more take the sorted path
 
 _FMTS = {"dense": 0, "fp8": 1, "mxfp4": 2, "nvfp4": 3}
 _FUNCS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
-_INV448 = tl.constexpr(FP8_MAX_INV)
 # FP4 tiles hold value * 2^-8 (the multiplier scale * 2^(126-8) then fits bf16); 2^8 is applied at the end
 _TWO118 = tl.constexpr(2.0 ** 118)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # device helpers
-
-
-@triton.jit
-def _ue8m0(amax):
-    """amax (fp32) -> (s, 1/s), s = 2^ceil(log2(max(amax, 1e-4) * fp32(1/448))) read off the exponent bits."""
-    y = tl.maximum(amax, 1e-4) * _INV448
-    bits = y.to(tl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-    s = (e << 23).to(tl.float32, bitcast=True)
-    inv = ((254 - e) << 23).to(tl.float32, bitcast=True)
-    return s, inv
 
 
 @triton.jit
@@ -88,7 +77,7 @@ def _act_sim(xv, R: tl.constexpr, C: tl.constexpr, HW: tl.constexpr):
     """fp32 [R, C], C a multiple of 128 -> q * s per 1x128 block (act_quant_sim_ref), fp32 (exact in bf16).
     Blocks are 128 consecutive columns; a permutation inside groups of 8 columns keeps them."""
     xb = tl.reshape(xv, [R, C // 128, 128])
-    s, inv = _ue8m0(tl.max(tl.abs(xb), axis=2))
+    s, inv = ue8m0_scale(tl.max(tl.abs(xb), axis=2))
     v = xb * inv[:, :, None]
     if HW:
         q = tl.minimum(tl.maximum(v, -448.0), 448.0).to(tl.float8e4nv).to(tl.float32)
@@ -243,7 +232,7 @@ def _x_tile(x_ptr, xoff, xkb, xok, cols, K, IN_Q: tl.constexpr, SPLIT: tl.conste
     sa = tl.full([BM], 1.0, tl.float32)
     if IN_Q:
         if SPLIT:
-            sa, inv = _ue8m0(tl.max(tl.abs(xv), axis=1))
+            sa, inv = ue8m0_scale(tl.max(tl.abs(xv), axis=1))
             v = xv * inv[:, None]
             if HW:
                 xv = tl.minimum(tl.maximum(v, -448.0), 448.0).to(tl.float8e4nv).to(tl.float32)

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.ops.triton_util import cast, e4m3_round, round_to
+from dsv4.ops.triton_util import cast, e4m3_round, round_to, ue8m0_scale
 
 
 @triton.jit
@@ -86,15 +86,6 @@ def _q_norm_rope_kernel(x_ptr, cs_ptr, sn_ptr, o_ptr, S, H, D, eps, RD2: tl.cons
 
 
 @triton.jit
-def _ue8m0(v):
-    # 2^ceil(log2(v)) for positive normal fp32 v, from the exponent bits
-    bits = v.to(tl.int32, bitcast=True)
-    e = (bits >> 23) & 0xFF
-    e = e + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-    return (e << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _kv_norm_rope_kernel(x_ptr, w_ptr, cs_ptr, sn_ptr, o_ptr, S, D, eps, NOPE: tl.constexpr, RD2: tl.constexpr,
                          BLOCK: tl.constexpr, QB: tl.constexpr, NB_P: tl.constexpr):
     r = tl.program_id(0)
@@ -115,8 +106,8 @@ def _kv_norm_rope_kernel(x_ptr, w_ptr, cs_ptr, sn_ptr, o_ptr, S, D, eps, NOPE: t
         bm = (nb < NOPE // QB)[:, None]
         off = r * D + nb[:, None] * QB + j[None, :]
         v = tl.load(o_ptr + off, mask=bm, other=0.0).to(tl.float32)
-        amax = tl.maximum(tl.max(tl.abs(v), axis=1), 1e-4)
-        s = _ue8m0(amax * (1.0 / 448.0))
+        amax = tl.max(tl.abs(v), axis=1)
+        s, _ = ue8m0_scale(amax)
         q = e4m3_round(tl.clamp(v / s[:, None], -448.0, 448.0))
         tl.store(o_ptr + off, cast(q * s[:, None], o_ptr.dtype.element_ty), mask=bm)
 

@@ -170,8 +170,6 @@ def _attn_kernel(q_ptr, kw_ptr, iw_ptr, kc_delta, ic_ptr, sink_ptr, o_ptr, bm_pt
     s = (qi % S).to(tl.int64)
     offs_h = hg * BH + tl.arange(0, BH)
     h_ok = offs_h < H
-    offs_d = tl.arange(0, DP)
-    d_ok = offs_d < D
     # D in four column chunks of DC: the dots chain over them, each K chunk goes to shared memory on its own
     # (a whole [64, 512] K tile staged in registers next to the [BH, 512] fp32 accumulator would spill)
     DC: tl.constexpr = DP // 4

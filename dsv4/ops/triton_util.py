@@ -1,5 +1,6 @@
 """Small Triton helpers shared by the kernels of dsv4/ops.
 
+`ue8m0_scale(amax)`: the FP8 activation scale and its inverse. `e4m3_round(v)`: RNE onto the e4m3 grid.
 `round_to(v, dtype)`: fp32 v rounded to nearest-even in `dtype`, returned as fp32 (exact in dtype). For
 bf16 the rounding is written out on the bits: the Triton interpreter (CPU tests) truncates fp32 -> bf16,
 the GPU's cvt.rn rounds; written out, both give the same bits. `cast(v, dtype)`: the same, in dtype.
@@ -7,6 +8,11 @@ the GPU's cvt.rn rounds; written out, both give the same bits. `cast(v, dtype)`:
 
 import triton
 import triton.language as tl
+
+from dsv4.ops.act_quant import FP8_AMAX_FLOOR, FP8_MAX_INV
+
+_INV448 = tl.constexpr(FP8_MAX_INV)  # fp32(1/448), as act_quant_ref
+_FLOOR = tl.constexpr(FP8_AMAX_FLOOR)
 
 
 @triton.jit
@@ -22,6 +28,18 @@ def round_to(v, DT: tl.constexpr):
 @triton.jit
 def cast(v, DT: tl.constexpr):
     return round_to(v, DT).to(DT)
+
+
+@triton.jit
+def ue8m0_scale(amax):
+    """amax (fp32, any shape) -> (s, 1/s): s = 2^ceil(log2(max(amax, 1e-4) * fp32(1/448))), read off the
+    exponent bits (act_quant_ref's power-of-two scale); both exact."""
+    y = tl.maximum(amax, _FLOOR) * _INV448
+    bits = y.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    s = (e << 23).to(tl.float32, bitcast=True)
+    inv = ((254 - e) << 23).to(tl.float32, bitcast=True)
+    return s, inv
 
 
 @triton.jit

@@ -77,15 +77,7 @@ def test_graph_replay_equals_eager():
     x, fn, base, scale = _inputs(1, 1, 4096, "cuda")
     f = torch.randn(1, 1, 4096, device="cuda").to(torch.bfloat16)
     step = lambda: fast.mhc_post(f, x, *fast.mhc_pre(x, fn, base, scale, 4, 20, 1e-6, 1e-6)[1:])  # noqa: E731
-    want = step()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = step()
-    g.replay()
-    torch.cuda.synchronize()
+    from dsv4.testing import graph_replay
+
+    want, out = graph_replay(step)
     assert torch.equal(out, want)

@@ -306,15 +306,7 @@ def test_graph_replay_equals_eager(flash_weights, T):
         wts, idx = fast.router(x, weight, bias, None, ids, "sqrtsoftplus", FLASH["k"], True, 1.5)
         return fast.moe_experts(x, wts, idx, *w, flash_weights["shared"], 10.0, True)
 
-    want = step()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    graph.replay()
-    torch.cuda.synchronize()
+    from dsv4.testing import graph_replay
+
+    want, out = graph_replay(step)
     assert torch.equal(out, want)
