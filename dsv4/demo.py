@@ -138,7 +138,7 @@ def demo_bytes() -> int:
 
 
 def _cache_error(base: Path, problem: str, full: bool = False) -> DemoCacheError:
-    src = f" (${CACHE_ENV})" if os.environ.get(CACHE_ENV) else ""
+    src = f" (${CACHE_ENV})" if os.environ.get(CACHE_ENV) and base == default_cache_dir() else ""
     fix = "free some space there or set" if full else "set"
     return DemoCacheError(
         f"demo cache {base}{src}: {problem}. The built-in demo model (random weights) is written there "
