@@ -206,9 +206,14 @@ def main(argv=None) -> int:
     from dsv4 import ops
 
     if args.list:
+        if dtype_ == "cuda":
+            from dsv4.kernels import cuda as cuda_kernels
+
+            cuda_kernels.load()
         for name, op in ops.OPS.items():
             ok, why = op.fast_available(dtype_)
             print(f"{name:16s} ref: yes   fast: {'yes' if ok else 'no (' + why + ')'}   {op.doc}")
+        print(ops.cuda_line() or "CUDA kernels: not used on the CPU (the fast ops run Triton under TRITON_INTERPRET=1)")
         return 0
     selected = set(ops.OPS) if args.ops == "all" else {s.strip() for s in args.ops.split(",") if s.strip()}
     unknown = sorted(selected - set(ops.OPS))

@@ -5,7 +5,10 @@ For each case (an op at Flash shapes with random weights in the official formats
 1 and 4 for decode, 128 for a prefill chunk) it times both backends, counts the bytes the op must move
 (weights it reads + activations in and out) and reports GB/s and % of the device-copy bandwidth
 measured in the same run. Timings replay a CUDA graph of --calls back-to-back calls (launch overhead
-excluded, as in the decode graphs); an op that cannot be captured is timed eagerly and marked so.
+excluded, as in the decode graphs); an op that cannot be captured is timed eagerly and marked so. The calls
+cycle through enough distinct copies of the weights (and inputs) to exceed 3x the L2 cache, so every call
+streams its weights from device memory as in a decode step. --sweep-gemv times every configuration of the
+CUDA decode GEMV (dsv4/ops/linear_cuda.py) per linear case instead.
 Needs CUDA. Prints a table and writes JSON (--json). A benchmark, not a test.
 """
 
@@ -31,6 +34,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=10, help="timed replays, the median is reported (default 10)")
     p.add_argument("--no-ref", action="store_true", help="skip timing the reference backend")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
+    p.add_argument("--sweep-gemv", action="store_true",
+                   help="time every (splits, WR, nstep) of the CUDA decode GEMV per FP8/bf16 linear case at each M")
     p.add_argument("--json", metavar="F", help="write the results as JSON to F")
     return p.parse_args(argv)
 
@@ -39,6 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 LINEARS = [
     ("wq_a", "fp8", 1024, 4096, "bf16", "bf16"),
     ("wkv", "fp8", 512, 4096, "bf16", "bf16"),
+    ("wq_a+wkv", "fp8", 1536, 4096, "bf16", "bf16"),  # as the model runs them (FusedLinear)
     ("wq_b", "fp8", 32768, 1024, "bf16", "bf16"),
     ("wo_b", "fp8", 4096, 8192, "bf16", "bf16"),
     ("indexer.wq_b", "fp8", 8192, 1024, "bf16", "bf16"),
@@ -47,7 +53,8 @@ LINEARS = [
     ("expert.w1 mxfp4", "mxfp4", 2048, 4096, "bf16", "bf16"),
     ("expert.w2 mxfp4", "mxfp4", 4096, 2048, "bf16", "bf16"),
     ("expert.w1 nvfp4", "nvfp4", 2048, 4096, "bf16", "bf16"),
-    ("compressor.wkv", "dense", 1024, 4096, "fp32", "fp32"),
+    ("compressor.wkv", "dense", 1024, 4096, "fp32", "fp32"),  # = an HCA layer's fused wkv || wgate
+    ("compressor.csa", "dense", 2560, 4096, "fp32", "fp32"),  # a CSA layer's wkv || wgate, main + indexer
     ("weights_proj", "dense", 64, 4096, "bf16", "bf16"),
 ]
 
@@ -70,20 +77,19 @@ def build_cases(dev):
 
     cases = {}
     for name, fmt, N, K, out, inp in LINEARS:
-        w = randn(N, K, std=K ** -0.5)
-        stored = formats.DenseWeight.quantize(w) if fmt == "dense" else formats.FORMATS[fmt].quantize(w)
-        pw = prepare_linear(stored)
         odt = torch.float32 if out == "fp32" else torch.bfloat16
         idt = torch.float32 if inp == "fp32" else torch.bfloat16
 
-        def make(M, pw=pw, K=K, N=N, odt=odt, idt=idt):
+        def make(M, fmt=fmt, K=K, N=N, odt=odt, idt=idt):  # a fresh weight per call: the copies rotate
+            w = randn(N, K, std=K ** -0.5)
+            pw = prepare_linear(formats.DenseWeight.quantize(w, torch.bfloat16) if fmt == "dense"
+                                else formats.FORMATS[fmt].quantize(w))
             x = randn(M, K, dtype=idt)
             return (x, pw, pw.quantized, odt), pw.nbytes() + _nbytes(x) + M * N * odt.itemsize
         cases[name] = ("linear", make)
 
-    wo = randn(8, 1024, 4096, std=4096 ** -0.5, dtype=torch.bfloat16)
-
     def make_wo_a(M):
+        wo = randn(8, 1024, 4096, std=4096 ** -0.5, dtype=torch.bfloat16)
         o = randn(M, 8, 4096, dtype=torch.bfloat16)
         return (o, wo), _nbytes(wo, o) + M * 8 * 1024 * 2
     cases["wo_a"] = ("wo_a", make_wo_a)
@@ -118,13 +124,12 @@ def moe_cases(dev, randn):
         return w
 
     w1, w2, w3 = stacked(I, D), stacked(D, I), stacked(I, D)
-    shared = tuple(prepare_linear(formats.Fp8BlockWeight.quantize(randn(n, kk, std=kk ** -0.5)))
-                   for n, kk in ((I, D), (D, I), (I, D)))
     per_expert = (w1.nbytes() + w2.nbytes() + w3.nbytes()) // E
-    gate = randn(E, D, std=D ** -0.5, dtype=torch.bfloat16)
     bias = randn(E, std=0.1)
 
-    def make_experts(M):
+    def make_experts(M):  # the copies rotate over other experts and another shared expert
+        shared = tuple(prepare_linear(formats.Fp8BlockWeight.quantize(randn(n, kk, std=kk ** -0.5)))
+                       for n, kk in ((I, D), (D, I), (I, D)))
         x = randn(M, D, dtype=torch.bfloat16)
         idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(M)]).to(dev)
         weights = torch.rand(M, k, device=dev)
@@ -133,6 +138,7 @@ def moe_cases(dev, randn):
         return (x, weights, idx, w1, w2, w3, shared, 10.0, True), moved
 
     def make_router(M):
+        gate = randn(E, D, std=D ** -0.5, dtype=torch.bfloat16)
         x = randn(M, D, dtype=torch.bfloat16)
         ids = torch.zeros(M, dtype=torch.int64, device=dev)
         return (x, gate, bias, None, ids, "sqrtsoftplus", k, True, 1.5), _nbytes(gate, bias, x)
@@ -156,13 +162,31 @@ def copy_bandwidth(dev) -> float:
     return 2 * a.numel() * 10 / (s.elapsed_time(e) * 1e-3) / 1e9
 
 
-def time_us(fn, calls: int, reps: int) -> tuple[float, bool]:
-    """Median microseconds per call: replays of a CUDA graph of `calls` calls; eager when capture fails."""
+def copies_needed(moved: int, dev) -> int:
+    """Distinct weight copies whose bytes exceed 3x the L2 cache (1 for ops that are larger on their own)."""
+    import torch
+
+    l2 = torch.cuda.get_device_properties(dev).L2_cache_size
+    return max(1, -(-3 * l2 // max(moved, 1)))
+
+
+def time_us(fns, calls: int, reps: int) -> tuple[float, bool]:
+    """Median microseconds per call: replays of a CUDA graph of `calls` calls cycling through `fns` (one per
+    weight copy); eager when capture fails."""
     import statistics
 
     import torch
 
-    fn()
+    if callable(fns):
+        fns = [fns]
+    calls = max(calls, len(fns))
+
+    def fn(i=[0]):  # noqa: B006 (the cycling counter)
+        fns[i[0] % len(fns)]()
+        i[0] += 1
+
+    for f in fns:
+        f()
     torch.cuda.synchronize()
     graph = None
     try:
@@ -188,6 +212,48 @@ def time_us(fn, calls: int, reps: int) -> tuple[float, bool]:
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b) * 1e3 / calls)
     return statistics.median(times), graph is not None
+
+
+def sweep_gemv(args, cases, ms, bw, dev) -> int:
+    """Every configuration of the CUDA decode GEMV per FP8 / bf16 linear case and M <= 8: us and % copy."""
+    import torch
+
+    from dsv4.ops import linear_cuda, linear_triton
+
+    if not linear_cuda.cuda_kernels.load():
+        print(f"error: {linear_cuda.cuda_kernels.status()[1]}", file=sys.stderr)
+        return 2
+    fmts = {c[0]: c[1] for c in LINEARS}
+    results = []
+    for name, (op_name, make) in cases.items():
+        if op_name != "linear" or fmts.get(name) not in ("fp8", "dense"):
+            continue
+        for M in (m for m in ms if m <= linear_cuda.MAX_M):
+            first, moved = make(M)
+            sets = [first] + [make(M)[0] for _ in range(copies_needed(moved, dev) - 1)]
+            x0, w0, aq, odt = first
+            xf32 = x0.dtype == torch.float32
+            outs = [torch.empty(M, w0.n, dtype=odt, device=dev) for _ in sets]
+            chosen = linear_cuda.config(w0.fmt, xf32, M, w0.n, w0.k)
+            tri, _ = time_us([lambda a=a: linear_triton.linear(*a) for a in sets], args.calls, args.reps)
+            line = {"case": name, "M": M, "bytes": moved, "triton_us": tri, "chosen": list(chosen), "configs": []}
+            for cfg in linear_cuda.candidates(w0.fmt, xf32, M, w0.n, w0.k):
+                us, _ = time_us([lambda a=a, o=o, c=cfg: linear_cuda.gemv(a[0], a[1], o, c)
+                                 for a, o in zip(sets, outs)], args.calls, args.reps)
+                line["configs"].append({"cfg": list(cfg), "us": us, "pct_copy_bw": 100 * moved / (us * 1e-6) / 1e9 / bw})
+            line["configs"].sort(key=lambda r: r["us"])
+            best = line["configs"][0]
+            mine = next(r for r in line["configs"] if tuple(r["cfg"]) == chosen)
+            print(f"{name:16s} M={M} {moved / 1e6:7.2f} MB  triton {tri:6.1f} us  chosen {chosen} {mine['us']:6.1f} us "
+                  f"({mine['pct_copy_bw']:.0f}%)  best {tuple(best['cfg'])} {best['us']:6.1f} us ({best['pct_copy_bw']:.0f}%)")
+            print("    " + "  ".join(f"{tuple(r['cfg'])}:{r['us']:.1f}" for r in line["configs"]))
+            results.append(line)
+            del sets, outs
+        torch.cuda.empty_cache()
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(dev), "copy_bw_gbps": bw,
+                                               "sweep_gemv": results}, indent=1))
+    return 0
 
 
 def main(argv=None) -> int:
@@ -221,25 +287,30 @@ def main(argv=None) -> int:
         cases = {k: v for k, v in cases.items() if k in want}
     bw = copy_bandwidth(dev)
     print(f"device: {torch.cuda.get_device_name(dev)}; copy bandwidth {bw:.0f} GB/s (read + write, same run)")
+    if args.sweep_gemv:
+        return sweep_gemv(args, cases, ms, bw, dev)
     rows = []
     for name, (op_name, make) in cases.items():
         op = ops.OPS[op_name]
         fast_ok, why = op.fast_available("cuda")
         for M in ms:
             op_args, moved = make(M)
-            row = {"case": name, "op": op_name, "M": M, "bytes": moved}
+            sets = [op_args] + [make(M)[0] for _ in range(copies_needed(moved, dev) - 1)]
+            row = {"case": name, "op": op_name, "M": M, "bytes": moved, "copies": len(sets)}
             for backend, fn in (("ref", op.ref), ("fast", op.fast if fast_ok else None)):
                 if fn is None or (backend == "ref" and args.no_ref):
                     row[f"{backend}_us"] = None
                     continue
-                us, graphed = time_us(lambda fn=fn, a=op_args: fn(*a), args.calls, args.reps)
+                # the reference dequantizes to fp32: timed on one copy (it is far from memory-bound anyway)
+                fns = [lambda fn=fn, a=a: fn(*a) for a in (sets if backend == "fast" else sets[:1])]
+                us, graphed = time_us(fns, args.calls, args.reps)
                 row[f"{backend}_us"], row[f"{backend}_graph"] = us, graphed
             best = row.get("fast_us") or row.get("ref_us")
             row["gbps"] = moved / (best * 1e-6) / 1e9 if best else None
             row["pct_copy_bw"] = 100 * row["gbps"] / bw if best else None
             row["fast"] = "yes" if fast_ok else f"no ({why})"
             rows.append(row)
-            del op_args
+            del op_args, sets
         torch.cuda.empty_cache()
 
     def f(v, fmt):

@@ -25,6 +25,7 @@ class Op:
     fast_on: tuple[str, ...] = ("cuda",)  # device types the fast path runs on
     interpretable: bool = False  # fast path is Triton: runs on CPU under TRITON_INTERPRET=1
     doc: str = ""
+    cuda: str = ""  # the part of the fast path that runs CUDA C++ (dsv4/kernels/cuda); Triton/ref stand in without it
     active: str = "ref"  # the backend bound now
     impl: Callable | None = field(default=None, repr=False)
 
@@ -46,8 +47,8 @@ _hook: Callable | None = None  # (op, args, kwargs) -> result; set by ab_compare
 
 
 def register(name: str, ref: Callable, fast: Callable | None = None, *, fast_on=("cuda",),
-             interpretable: bool = False, doc: str = "") -> None:
-    op = Op(name, ref, fast, tuple(fast_on), interpretable, doc)
+             interpretable: bool = False, doc: str = "", cuda: str = "") -> None:
+    op = Op(name, ref, fast, tuple(fast_on), interpretable, doc, cuda)
     op.impl = ref
     OPS[name] = op
 
@@ -94,7 +95,23 @@ def configure(kernels: str | None = None, device_type: str = "cpu",
         else:
             op.active, op.impl = "ref", op.ref
             report[name] = "ref" if want == "ref" else f"ref ({why})"
+    if device_type == "cuda" and any(op.cuda and op.active == "fast" for op in OPS.values()):
+        from dsv4.kernels import cuda as cuda_kernels
+
+        cuda_kernels.load()  # built (or found in the cache) now, before any weight loads or token runs
     return report
+
+
+def cuda_line() -> str | None:
+    """"CUDA kernels: built (...)" or "CUDA kernels unavailable: <why> (...)" once a configure() on CUDA has asked
+    for them; None before."""
+    from dsv4.kernels import cuda as cuda_kernels
+
+    if not cuda_kernels.attempted():
+        return None
+    parts = ", ".join(f"{n}: {op.cuda}" for n, op in OPS.items() if op.cuda)
+    ok, why = cuda_kernels.status()
+    return f"CUDA kernels: built ({parts})" if ok else f"CUDA kernels unavailable: {why} (Triton runs {parts})"
 
 
 def parse_kernels(spec: str | None) -> tuple[str | None, dict[str, str]]:
@@ -124,7 +141,8 @@ def banner(report: dict[str, str]) -> str:
     for n, r in report.items():
         groups.setdefault(r, []).append(n)
     parts = [f"{r}: {', '.join(ns)}" for r, ns in groups.items()]
-    return "kernels: " + "; ".join(parts)
+    line = cuda_line()
+    return "kernels: " + "; ".join(parts + ([line] if line else []))
 
 
 def set_hook(hook: Callable | None) -> None:

@@ -116,6 +116,29 @@ def wo_a_ref(o: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.einsum("...gd,grd->...gr", o, w.to(o.dtype))
 
 
+def make_fast_linear(linear_triton):
+    """The fast `linear`: the CUDA GEMV (dsv4/ops/linear_cuda.py) for the decode shapes it takes, the Triton kernels
+    for everything else (prefill chunks, FP4 weights, CPU under TRITON_INTERPRET=1, no CUDA build here)."""
+    if linear_triton is None:
+        return None
+    from dsv4.ops import linear_cuda
+
+    def linear_fast(x: torch.Tensor, w: PreparedLinear, act_quant: bool, out_dtype: torch.dtype) -> torch.Tensor:
+        if (x.is_cuda and isinstance(w, PreparedLinear) and x.dim() >= 1 and x.shape[-1] == w.k
+                and x.dtype in (torch.bfloat16, torch.float32) and out_dtype in (torch.bfloat16, torch.float32)):
+            x2 = linear_triton._rows(x, w.k, "linear")
+            if linear_cuda.applies(x2, w, bool(act_quant), out_dtype):
+                linear_triton._check_weight(w, x.device)
+                out = torch.empty((*x.shape[:-1], w.n), dtype=out_dtype, device=x.device)
+                if w.n:
+                    linear_cuda.gemv(x2, w, out.view(-1, w.n))
+                return out
+        return linear_triton.linear(x, w, act_quant, out_dtype)
+
+    linear_fast.__doc__ = linear_triton.linear.__doc__
+    return linear_fast
+
+
 def load_triton_module():
     """dsv4.ops.linear_triton, or None where it cannot be imported (no Triton on this machine): then
     the references run and `ops.configure` lists the ops as such."""
@@ -128,12 +151,13 @@ def load_triton_module():
 
 def register_ops(register) -> None:
     linear_triton = load_triton_module()
-    fast_linear = getattr(linear_triton, "linear", None)
+    fast_linear = make_fast_linear(linear_triton)
     # wo_a's fast path on CUDA is the cuBLAS bf16 batched GEMM of the reference: it streams the 64 MB weight
     # faster than linear_triton.wo_a (tools/bench_ops.py, H200: 19.8 vs 23.1 us at M = 1, 24.3 vs 31.7 us at
     # M = 128); the Triton kernel stays tested (tests/ops/test_linear.py) for when it overtakes
     fast_wo_a = wo_a_ref
     register("linear", linear_ref, fast_linear, interpretable=True,
-             doc="x @ W^T for dense / FP8 block / MXFP4 / NVFP4 weights, FP8 1x128 activation quantization")
+             doc="x @ W^T for dense / FP8 block / MXFP4 / NVFP4 weights, FP8 1x128 activation quantization",
+             cuda="decode GEMV, 1-8 tokens on FP8 / bf16 weights")
     register("wo_a", wo_a_ref, fast_wo_a,
              doc="grouped low-rank output projection, bf16 weights, no activation quantization")

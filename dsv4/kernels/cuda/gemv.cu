@@ -1,0 +1,355 @@
+// Skinny GEMV for decode (1-8 tokens): out[M, N] = x[M, K] @ W[N, K]^T on the tensor cores, fed from registers.
+//
+// Weights: FP8 e4m3 with fp32 128x128 block scales (x quantized in-kernel to e4m3 1x128 with power-of-two scales,
+// DeepSeek's act_quant), or dense bf16 (x bf16, or fp32 split exactly into three bf16 parts).
+//
+// Work split: a CTA of 8 warps covers 16*WR weight rows x ks columns; warp (wr, wk) owns 16 rows x NSTEP steps of
+// 16 bytes per lane per row. The S CTAs of a thread-block cluster split K; their partials are summed through
+// distributed shared memory in rank order, and the WK warps of a CTA in warp order: every output is written once,
+// with the same bits on every run (no atomics).
+//
+// mma.sync takes its A fragment (16 rows x k) straight from the 16-byte loads: the dot product does not care
+// which k slot holds which column as long as A and B agree, so lane (g = lane/4, t = lane%4) feeds the 16 bytes it
+// copied from rows g and g+8 and reads the matching x bytes for token g (no ldmatrix, no layout change).
+//
+// Programmatic dependent launch: the weight loads (never written by an earlier kernel) are issued before
+// griddepcontrol.wait, as cp.async into shared memory; x is read after it. The kernel triggers its dependents at
+// entry (they start once every CTA of this grid is resident, and wait for its completion before reading).
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cooperative_groups.h>
+#include <cstdint>
+
+#include "gemv.h"
+
+namespace cg = cooperative_groups;
+
+namespace dsv4 {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr float kFp8Max = 448.0f;
+constexpr float kAmaxFloor = 1e-4f;
+
+__device__ __forceinline__ void griddep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void griddep_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
+// 16 bytes global -> shared, asynchronously (zero-filled when !ok). Weights travel this way so that their loads are
+// issued before griddepcontrol.wait: ptxas sinks plain register loads below the wait, cp.async it keeps in place.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool ok) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(ok ? 16 : 0) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit_wait_all() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+  asm volatile("cp.async.wait_group 0;" ::: "memory");
+}
+
+__device__ __forceinline__ void mma_e4m3(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// act_quant's power-of-two scale: s = 2^ceil(log2(max(amax, 1e-4) * fp32(1/448))) from the exponent bits, and 1/s.
+__device__ __forceinline__ void ue8m0_scale(float amax, float& s, float& inv) {
+  const float y = fmaxf(amax, kAmaxFloor) * (1.0f / kFp8Max);
+  const uint32_t bits = __float_as_uint(y);
+  const int e = static_cast<int>((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0 ? 1 : 0);
+  s = __uint_as_float(static_cast<uint32_t>(e) << 23);
+  inv = __uint_as_float(static_cast<uint32_t>(254 - e) << 23);
+}
+
+__device__ __forceinline__ float load_x(const GemvArgs& a, int m, int c) {
+  const long long off = static_cast<long long>(m) * a.sx + c;
+  return a.x_f32 ? static_cast<const float*>(a.x)[off]
+                 : __bfloat162float(static_cast<const __nv_bfloat16*>(a.x)[off]);
+}
+
+
+// FMT 1: fp8 weights (+ x quantization); FMT 0: bf16 weights. XSPLIT: fp32 x as three bf16 parts (FMT 0 only).
+template <int FMT, int NSTEP, bool XSPLIT>
+__global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvArgs a) {
+  constexpr int EB = FMT == 1 ? 1 : 2;        // weight bytes per element
+  constexpr int CPL = 16 / EB;                // columns per 16-byte lane chunk
+  constexpr int STEPC = 4 * CPL;              // columns per step (4 lanes of a row group side by side)
+  constexpr int NPART = XSPLIT ? 3 : 1;
+  extern __shared__ __align__(16) unsigned char smem[];
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int wr = warp % a.WR, wk = warp / a.WR;
+  const int cta_rows = 16 * a.WR;
+  const int row0 = blockIdx.y * cta_rows + wr * 16;
+  const int cta_col0 = blockIdx.x * a.ks;
+  const int wcol = wk * NSTEP * STEPC;         // warp's first column inside the CTA's range
+  const int M = a.M;
+
+  griddep_launch_dependents();
+
+  // ---- weights (and their block scales): issued before waiting on the previous kernel. Each thread copies its
+  // own 2 x NSTEP chunks (rows g and g+8) to its own slots wsm[s][0|1][thread] and reads back only those.
+  uint4* wsm = reinterpret_cast<uint4*>(smem);
+  const unsigned char* wbytes = static_cast<const unsigned char*>(a.w);
+  const int ra = row0 + g, rb = row0 + g + 8;
+#pragma unroll
+  for (int s = 0; s < NSTEP; ++s) {
+    const int c = cta_col0 + wcol + s * STEPC + t * CPL;
+    const bool okc = c < a.K;
+    cp_async16(wsm + (2 * s) * kThreads + threadIdx.x, wbytes + (static_cast<long long>(ra) * a.K + c) * EB,
+               okc && ra < a.N);
+    cp_async16(wsm + (2 * s + 1) * kThreads + threadIdx.x, wbytes + (static_cast<long long>(rb) * a.K + c) * EB,
+               okc && rb < a.N);
+  }
+  float swv[FMT == 1 ? (NSTEP + 1) / 2 : 1];
+  if constexpr (FMT == 1) {
+#pragma unroll
+    for (int s = 0; s < NSTEP; s += 2) {
+      const int c = cta_col0 + wcol + s * STEPC;
+      swv[s / 2] = (c < a.K && row0 < a.N) ? a.ws[static_cast<long long>(row0 / 128) * a.ws_ld + c / 128] : 0.0f;
+    }
+  }
+
+  griddep_wait();
+
+  // ---- x for the CTA's columns -> shared memory
+  const int pitch = a.ks + 16;  // bytes (fp8) or elements (bf16) per token row; +16 spreads the banks
+  unsigned char* xsm = smem + 2 * NSTEP * kThreads * 16;
+  unsigned char* xq = xsm;
+  float* sa = nullptr;
+  __nv_bfloat16* xh = reinterpret_cast<__nv_bfloat16*>(xsm);
+  float* red;
+  if constexpr (FMT == 1) {
+    const int nblk = a.ks / 128;
+    sa = reinterpret_cast<float*>(xsm + ((M * pitch + 15) / 16) * 16);
+    red = sa + M * nblk;
+    for (int p = warp; p < M * nblk; p += kThreads / 32) {
+      const int m = p / nblk, blk = p % nblk;
+      const int c = cta_col0 + blk * 128 + lane * 4;
+      float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      if (c < a.K) {
+        if (a.x_vec) {  // 4 elements in one 8- or 16-byte load
+          const long long off = static_cast<long long>(m) * a.sx + c;
+          if (a.x_f32) {
+            const float4 f = *reinterpret_cast<const float4*>(static_cast<const float*>(a.x) + off);
+            v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+          } else {
+            const uint2 b = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(a.x) + off);
+            const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&b.x));
+            const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&b.y));
+            v[0] = lo.x, v[1] = lo.y, v[2] = hi.x, v[3] = hi.y;
+          }
+        } else {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) v[i] = load_x(a, m, c + i);
+        }
+      }
+      float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+      float s, inv;
+      ue8m0_scale(amax, s, inv);
+      uint32_t packed = 0;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float q = fminf(fmaxf(v[i] * inv, -kFp8Max), kFp8Max);
+        packed |= static_cast<uint32_t>(__nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3)) << (8 * i);
+      }
+      *reinterpret_cast<uint32_t*>(xq + m * pitch + blk * 128 + lane * 4) = packed;
+      if (lane == 0) sa[m * nblk + blk] = s;
+    }
+  } else {
+    red = reinterpret_cast<float*>(xsm + ((NPART * M * pitch * 2 + 15) / 16) * 16);
+    for (int p = threadIdx.x; p < M * a.ks; p += kThreads) {
+      const int m = p / a.ks, cc = p % a.ks;
+      const int c = cta_col0 + cc;
+      const float v = c < a.K ? load_x(a, m, c) : 0.0f;
+      const __nv_bfloat16 hi = __float2bfloat16_rn(v);
+      xh[m * pitch + cc] = hi;
+      if constexpr (XSPLIT) {  // v = hi + mid + lo exactly
+        const float r1 = v - __bfloat162float(hi);
+        const __nv_bfloat16 mid = __float2bfloat16_rn(r1);
+        xh[(M + m) * pitch + cc] = mid;
+        xh[(2 * M + m) * pitch + cc] = __float2bfloat16_rn(r1 - __bfloat162float(mid));
+      }
+    }
+  }
+  cp_async_commit_wait_all();
+  __syncthreads();
+
+  // ---- the products: acc[0..3] = (row g, token 2t), (row g, 2t+1), (row g+8, 2t), (row g+8, 2t+1)
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  if constexpr (FMT == 1) {
+    const int nblk = a.ks / 128;
+    const float* sa0p = 2 * t < M ? sa + (2 * t) * nblk : nullptr;
+    const float* sa1p = 2 * t + 1 < M ? sa + (2 * t + 1) * nblk : nullptr;
+#pragma unroll
+    for (int s = 0; s < NSTEP; s += 2) {
+      float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+      for (int u = 0; u < 2 && s + u < NSTEP; ++u) {
+        const int cl = wcol + (s + u) * STEPC + t * CPL;
+        const uint4 xb = g < M ? *reinterpret_cast<const uint4*>(xq + g * pitch + cl) : make_uint4(0, 0, 0, 0);
+        const uint4 wa = wsm[(2 * (s + u)) * kThreads + threadIdx.x], wb = wsm[(2 * (s + u) + 1) * kThreads + threadIdx.x];
+        mma_e4m3(d, wa.x, wb.x, wa.y, wb.y, xb.x, xb.y);
+        mma_e4m3(d, wa.z, wb.z, wa.w, wb.w, xb.z, xb.w);
+      }
+      // one 128-column block: promote to fp32 with the activation and weight block scales (powers of two)
+      const int kb = (wcol + s * STEPC) / 128;
+      const float f0 = sa0p ? sa0p[kb] * swv[s / 2] : 0.0f;
+      const float f1 = sa1p ? sa1p[kb] * swv[s / 2] : 0.0f;
+      acc[0] += d[0] * f0;
+      acc[1] += d[1] * f1;
+      acc[2] += d[2] * f0;
+      acc[3] += d[3] * f1;
+    }
+  } else {
+#pragma unroll
+    for (int s = 0; s < NSTEP; ++s) {
+      const int cl = wcol + s * STEPC + t * CPL;
+      const uint4 wa = wsm[(2 * s) * kThreads + threadIdx.x], wb = wsm[(2 * s + 1) * kThreads + threadIdx.x];
+#pragma unroll
+      for (int part = 0; part < NPART; ++part) {
+        const uint4 xb = g < M ? *reinterpret_cast<const uint4*>(xh + (part * M + g) * pitch + cl)
+                               : make_uint4(0, 0, 0, 0);
+        mma_bf16(acc, wa.x, wb.x, wa.y, wb.y, xb.x, xb.y);
+        mma_bf16(acc, wa.z, wb.z, wa.w, wb.w, xb.z, xb.w);
+      }
+    }
+  }
+
+  // ---- reduce: the WK warps of each CTA in warp order (all threads, local), then the S CTAs of the cluster in
+  // rank order (each CTA finishes 1/S of the outputs, its S remote loads issued together)
+  const int nout = M * cta_rows;  // red[wk][m][row]
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int m = 2 * t + (i & 1), r = wr * 16 + g + (i >> 1) * 8;
+    if (m < M) red[(wk * M + m) * cta_rows + r] = acc[i];
+  }
+  __syncthreads();
+  const int WK = kThreads / 32 / a.WR;
+  for (int o = threadIdx.x; o < nout; o += kThreads) {
+    float v = red[o];
+    for (int k = 1; k < WK; ++k) v += red[k * nout + o];
+    red[o] = v;
+  }
+  const int S = gridDim.x;
+  int rank = 0;
+  if (S > 1) {
+    cg::cluster_group cluster = cg::this_cluster();
+    rank = static_cast<int>(cluster.block_rank());
+    cluster.sync();
+    for (int o = rank + S * threadIdx.x; o < nout; o += S * kThreads) {
+      float part[8];
+#pragma unroll
+      for (int q = 0; q < 8; ++q) part[q] = q < S ? cluster.map_shared_rank(red, q)[o] : 0.0f;
+      float v = part[0];
+#pragma unroll
+      for (int q = 1; q < 8; ++q) {
+        if (q < S) v += part[q];
+      }
+      red[nout + o] = v;  // past the WK = 1 partials: wk >= 1 slots, no longer read (WK > 1), or scratch
+    }
+    cluster.sync();  // the other CTAs are done reading this one's partials
+  } else {
+    __syncthreads();
+  }
+  for (int o = rank + S * threadIdx.x; o < nout; o += S * kThreads) {
+    const int m = o / cta_rows, row = blockIdx.y * cta_rows + o % cta_rows;
+    if (row >= a.N) continue;
+    const float v = S > 1 ? red[nout + o] : red[o];
+    const long long off = static_cast<long long>(m) * a.so + row;
+    if (a.out_f32) {
+      static_cast<float*>(a.out)[off] = v;
+    } else {
+      static_cast<__nv_bfloat16*>(a.out)[off] = __float2bfloat16_rn(v);
+    }
+  }
+}
+
+template <int FMT, int NSTEP, bool XSPLIT>
+cudaError_t launch(const GemvArgs& a, int smem, bool pdl, cudaStream_t stream) {
+  auto kernel = gemv_kernel<FMT, NSTEP, XSPLIT>;
+  if (smem > 48 * 1024) {
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return e;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(a.S, (a.N + 16 * a.WR - 1) / (16 * a.WR), 1);
+  cfg.blockDim = dim3(kThreads, 1, 1);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attrs[2];
+  int n = 0;
+  if (a.S > 1) {
+    attrs[n].id = cudaLaunchAttributeClusterDimension;
+    attrs[n].val.clusterDim.x = a.S;
+    attrs[n].val.clusterDim.y = 1;
+    attrs[n].val.clusterDim.z = 1;
+    ++n;
+  }
+  if (pdl) {
+    attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
+  cfg.attrs = attrs;
+  cfg.numAttrs = n;
+  return cudaLaunchKernelEx(&cfg, kernel, a);
+}
+
+template <int FMT, bool XSPLIT>
+cudaError_t launch_nstep(const GemvArgs& a, int nstep, int smem, bool pdl, cudaStream_t stream) {
+  if constexpr (FMT == 0) {
+    if (nstep == 1) return launch<FMT, 1, XSPLIT>(a, smem, pdl, stream);
+  }
+  switch (nstep) {
+    case 2: return launch<FMT, 2, XSPLIT>(a, smem, pdl, stream);
+    case 4: return launch<FMT, 4, XSPLIT>(a, smem, pdl, stream);
+    case 8: return launch<FMT, 8, XSPLIT>(a, smem, pdl, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+
+int gemv_smem_bytes(int fp8, int x_split, int M, int ks, int WR, int nstep) {
+  const int pitch = ks + 16;
+  const int cta_rows = 16 * WR;
+  const int WK = kThreads / 32 / WR;
+  int bytes = fp8 ? ((M * pitch + 15) / 16) * 16 + M * (ks / 128) * 4
+                  : (((x_split ? 3 : 1) * M * pitch * 2 + 15) / 16) * 16;
+  return 2 * nstep * kThreads * 16 + bytes + (WK + 1) * M * cta_rows * 4;
+}
+
+cudaError_t gemv_launch(const GemvArgs& a, int fp8, int nstep, bool pdl, cudaStream_t stream) {
+  const int smem = gemv_smem_bytes(fp8, a.x_f32 && !fp8, a.M, a.ks, a.WR, nstep);
+  if (fp8) return launch_nstep<1, false>(a, nstep, smem, pdl, stream);
+  if (a.x_f32) return launch_nstep<0, true>(a, nstep, smem, pdl, stream);
+  return launch_nstep<0, false>(a, nstep, smem, pdl, stream);
+}
+
+}  // namespace dsv4

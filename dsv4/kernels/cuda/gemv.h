@@ -1,0 +1,26 @@
+// Skinny GEMV (decode, 1-8 tokens) on FP8 block-scaled or bf16 weights: see gemv.cu.
+#pragma once
+#include <cuda_runtime.h>
+
+namespace dsv4 {
+
+struct GemvArgs {
+  const void* x;      // [M, K] bf16 or fp32 (x_f32), row stride sx elements, unit column stride
+  long long sx;
+  const void* w;      // [N, K] e4m3 or bf16, contiguous
+  const float* ws;    // fp8: [ceil(N/128), ws_ld] fp32 block scales; else unused
+  int ws_ld;
+  void* out;          // [M, N] bf16 or fp32 (out_f32), row stride so elements
+  long long so;
+  int M, N, K;
+  int S;              // CTAs per cluster along K (gridDim.x), 1..8
+  int WR;             // 16-row groups per CTA (1, 2, 4, 8); the 8 / WR warps per group split the CTA's columns
+  int ks;             // columns per CTA = (8 / WR) * nstep * (64 fp8 | 32 bf16)
+  int x_f32, out_f32;
+  int x_vec;          // x rows 16-byte aligned (base and stride): vector loads
+};
+
+int gemv_smem_bytes(int fp8, int x_split, int M, int ks, int WR, int nstep);
+cudaError_t gemv_launch(const GemvArgs& a, int fp8, int nstep, bool pdl, cudaStream_t stream);
+
+}  // namespace dsv4
