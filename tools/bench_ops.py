@@ -236,16 +236,18 @@ def sweep_gemv(args, cases, ms, bw, dev) -> int:
             outs = [torch.empty(M, w0.n, dtype=odt, device=dev) for _ in sets]
             chosen = linear_cuda.config(w0.fmt, xf32, M, w0.n, w0.k)
             tri, _ = time_us([lambda a=a: linear_triton.linear(*a) for a in sets], args.calls, args.reps)
-            line = {"case": name, "M": M, "bytes": moved, "triton_us": tri, "chosen": list(chosen), "configs": []}
+            line = {"case": name, "M": M, "bytes": moved, "triton_us": tri, "chosen": chosen and list(chosen),
+                    "configs": []}
             for cfg in linear_cuda.candidates(w0.fmt, xf32, M, w0.n, w0.k):
                 us, _ = time_us([lambda a=a, o=o, c=cfg: linear_cuda.gemv(a[0], a[1], o, c)
                                  for a, o in zip(sets, outs)], args.calls, args.reps)
                 line["configs"].append({"cfg": list(cfg), "us": us, "pct_copy_bw": 100 * moved / (us * 1e-6) / 1e9 / bw})
             line["configs"].sort(key=lambda r: r["us"])
             best = line["configs"][0]
-            mine = next(r for r in line["configs"] if tuple(r["cfg"]) == chosen)
-            print(f"{name:16s} M={M} {moved / 1e6:7.2f} MB  triton {tri:6.1f} us  chosen {chosen} {mine['us']:6.1f} us "
-                  f"({mine['pct_copy_bw']:.0f}%)  best {tuple(best['cfg'])} {best['us']:6.1f} us ({best['pct_copy_bw']:.0f}%)")
+            mine = next((r for r in line["configs"] if tuple(r["cfg"]) == chosen), None)
+            mine_s = f"{mine['us']:6.1f} us ({mine['pct_copy_bw']:.0f}%)" if mine else "(Triton)"
+            print(f"{name:16s} M={M} {moved / 1e6:7.2f} MB  triton {tri:6.1f} us  chosen {chosen} {mine_s}  "
+                  f"best {tuple(best['cfg'])} {best['us']:6.1f} us ({best['pct_copy_bw']:.0f}%)")
             print("    " + "  ".join(f"{tuple(r['cfg'])}:{r['us']:.1f}" for r in line["configs"]))
             results.append(line)
             del sets, outs

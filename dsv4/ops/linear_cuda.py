@@ -3,7 +3,7 @@ weights, on the tensor cores, same numerics as `linear_ref` up to fp32 summation
 and bf16 x bf16 in fp32; fp32 x split exactly into three bf16 parts; power-of-two scales per 128-K block).
 
 `applies(x2, w, act_quant, out_dtype)` says whether a call takes this path (else the Triton kernels run);
-`gemv(x2, w, out, cfg)` launches it; `config(fmt, M, N, K)` is the (splits, WR, nstep) choice, a fixed function of
+`gemv(x2, w, out, cfg)` launches it; `config(fmt, x_f32, M, N, K)` is the (splits, WR, nstep, nchunk) choice, a fixed function of
 the shape (deterministic; measured on an H200 with tools/bench_ops.py, docs/performance.md). Split-K runs across a
 thread-block cluster and is reduced in rank order: same input, same bits.
 """
@@ -59,22 +59,22 @@ SMEM_CAP = 100 * 1024  # bytes per CTA: keeps two CTAs (and a dependent kernel's
 # The fastest of every candidate on an H200 (tools/bench_ops.py --sweep-gemv --m 1,4, 2026-11-23,
 # docs/performance.md); the Flash shapes the model runs (wq_a || wkv fused, wq_b, wo_b, indexer wq_b, the
 # compressors' fused wkv || wgate) and the per-projection shapes of bench_ops.
-TUNED: dict[tuple[str, bool, int, int], dict[int, tuple[int, int, int] | None]] = {
-    ("fp8", False, 1024, 4096): {1: (4, 2, 4), 4: (8, 8, 8)},  # wq_a
-    ("fp8", False, 512, 4096): {1: (4, 2, 4), 4: (8, 4, 4)},  # wkv
-    ("fp8", False, 1536, 4096): {1: (4, 4, 8), 4: (8, 2, 2)},  # wq_a || wkv
-    ("fp8", False, 32768, 1024): {1: (1, 2, 4), 4: None},  # wq_b (Triton's swap-AB MMA: 11.4 vs 14.6 us)
-    ("fp8", False, 4096, 8192): {1: (8, 4, 8), 4: (8, 4, 8)},  # wo_b
-    ("fp8", False, 8192, 1024): {1: (1, 1, 2), 4: (4, 8, 4)},  # indexer wq_b
-    ("fp8", False, 2048, 4096): {1: (4, 4, 8), 4: (8, 2, 2)},  # shared expert w1 / w3
-    ("fp8", False, 4096, 2048): {1: (4, 4, 4), 4: (8, 4, 2)},  # shared expert w2
-    ("dense", True, 1024, 4096): {1: None, 4: (8, 4, 8)},  # HCA compressor wkv || wgate (Triton 5.3 vs 5.9 us)
-    ("dense", True, 2560, 4096): {1: (4, 2, 8), 4: (8, 2, 4)},  # CSA compressors (main + indexer)
-    ("dense", False, 64, 4096): {1: None, 4: (8, 1, 2)},  # indexer weights_proj (Triton 2.6 vs 3.0 us)
+TUNED: dict[tuple[str, bool, int, int], dict[int, tuple[int, int, int, int] | None]] = {
+    ("fp8", False, 1024, 4096): {1: (4, 2, 4, 1), 4: (8, 8, 8, 1)},  # wq_a
+    ("fp8", False, 512, 4096): {1: (8, 4, 4, 1), 4: (8, 4, 4, 1)},  # wkv
+    ("fp8", False, 1536, 4096): {1: (4, 4, 8, 1), 4: (8, 2, 2, 1)},  # wq_a || wkv
+    ("fp8", False, 32768, 1024): {1: (1, 8, 4, 4), 4: None},  # wq_b (Triton's swap-AB MMA: 11.4 vs 14.6 us)
+    ("fp8", False, 4096, 8192): {1: (2, 1, 2, 4), 4: (8, 8, 2, 8)},  # wo_b
+    ("fp8", False, 8192, 1024): {1: (1, 2, 4, 1), 4: (4, 8, 4, 1)},  # indexer wq_b
+    ("fp8", False, 2048, 4096): {1: (8, 8, 8, 1), 4: (8, 2, 2, 1)},  # shared expert w1 / w3
+    ("fp8", False, 4096, 2048): {1: (4, 8, 4, 2), 4: (8, 4, 2, 1)},  # shared expert w2
+    ("dense", True, 1024, 4096): {1: None, 4: (8, 4, 8, 1)},  # HCA compressor wkv || wgate (Triton 5.3 vs 5.9 us)
+    ("dense", True, 2560, 4096): {1: (4, 2, 2, 4), 4: (8, 2, 4, 1)},  # CSA compressors (main + indexer)
+    ("dense", False, 64, 4096): {1: None, 4: (8, 1, 2, 1)},  # indexer weights_proj (Triton 2.6 vs 3.0 us)
 }
 
 
-def smem_bytes(fmt: str, x_f32: bool, M: int, ks: int, wr: int, nstep: int) -> int:
+def smem_bytes(fmt: str, x_f32: bool, M: int, ks: int, wr: int, nstep: int, nchunk: int = 1) -> int:
     """Dynamic shared memory of one CTA (mirrors gemv_smem_bytes in gemv.cu)."""
     pitch = ks + 16
     rows = 16 * wr
@@ -83,55 +83,65 @@ def smem_bytes(fmt: str, x_f32: bool, M: int, ks: int, wr: int, nstep: int) -> i
         x = (M * pitch + 15) // 16 * 16 + M * (ks // 128) * 4
     else:
         x = ((3 if x_f32 else 1) * M * pitch * 2 + 15) // 16 * 16
-    return 2 * nstep * _THREADS * 16 + x + (wk + 1) * M * rows * 4
+    ring = min(nchunk, 3) * nstep * 2 * _THREADS * 16
+    scales = (ks // 128 * 4 + 15) // 16 * 16 if fmt == "fp8" else 0
+    return ring + scales + x + (wk + 1) * M * rows * 4
 
 
-def candidates(fmt: str, x_f32: bool, M: int, N: int, K: int) -> list[tuple[int, int, int]]:
-    """Every (splits, WR, nstep) whose columns cover K with less than 2x overshoot (the column count is a power of
-    two, so one exists) and whose CTA fits SMEM_CAP."""
+def candidates(fmt: str, x_f32: bool, M: int, N: int, K: int) -> list[tuple[int, int, int, int]]:
+    """Every (splits, WR, nstep, nchunk) whose columns cover K with less than 2x overshoot (the column count is a
+    power of two, so one exists) and whose CTA fits SMEM_CAP; streamed chunks (nchunk > 1) of 2 or 4 steps."""
     step = _STEP_COLS[fmt]
     steps = -(-K // step)
     out = []
     for splits in (1, 2, 4, 8):
         for wr in (1, 2, 4, 8):
             for nstep in ((2, 4, 8) if fmt == "fp8" else (1, 2, 4, 8)):
-                cols = splits * (8 // wr) * nstep
-                if not steps <= cols < 2 * steps:
-                    continue
-                if smem_bytes(fmt, x_f32, M, (8 // wr) * nstep * step, wr, nstep) > SMEM_CAP:
-                    continue
-                out.append((splits, wr, nstep))
+                for nchunk in (1, 2, 4, 8, 16, 32):
+                    if nchunk > 1 and nstep > 4:
+                        continue
+                    cols = splits * (8 // wr) * nstep * nchunk
+                    if not steps <= cols < 2 * steps:
+                        continue
+                    if smem_bytes(fmt, x_f32, M, (8 // wr) * nchunk * nstep * step, wr, nstep, nchunk) > SMEM_CAP:
+                        continue
+                    out.append((splits, wr, nstep, nchunk))
     return out
 
 
 @functools.lru_cache(maxsize=None)
-def config(fmt: str, x_f32: bool, M: int, N: int, K: int) -> tuple[int, int, int] | None:
-    """(splits, WR, nstep), or None where the Triton kernel is faster: `splits` CTAs of a cluster share K, WR 16-row
-    groups per CTA, nstep 16-byte steps per lane (8 // WR warps per row group split the CTA's columns). TUNED
+def config(fmt: str, x_f32: bool, M: int, N: int, K: int) -> tuple[int, int, int, int] | None:
+    """(splits, WR, nstep, nchunk), or None where the Triton kernel is faster: `splits` CTAs of a cluster share K,
+    WR 16-row groups per CTA, each warp streams nchunk chunks of nstep 16-byte steps per lane (8 // WR warps per
+    row group split the CTA's columns). TUNED
     where measured; otherwise, from the same sweep's pattern: >= 96 CTAs, then up to 64 KB of weights per CTA
     (all its loads in flight at once), then more rows per CTA, then fewer splits."""
     tuned = TUNED.get((fmt, x_f32, N, K))
     if tuned is not None:
         cfg = tuned[1 if M == 1 else 4]
-        if cfg is None or smem_bytes(fmt, x_f32, M, (8 // cfg[1]) * cfg[2] * _STEP_COLS[fmt], cfg[1], cfg[2]) <= SMEM_CAP:
+        if cfg is None or smem_bytes(fmt, x_f32, M, (8 // cfg[1]) * cfg[3] * cfg[2] * _STEP_COLS[fmt],
+                                     cfg[1], cfg[2], cfg[3]) <= SMEM_CAP:
             return cfg
     step = _STEP_COLS[fmt]
     best = None
-    for splits, wr, nstep in candidates(fmt, x_f32, M, N, K):
+    for splits, wr, nstep, nchunk in candidates(fmt, x_f32, M, N, K):
+        if nchunk > 1:
+            continue  # the one-chunk kernels measured faster at the shapes swept so far
         ctas = splits * -(-N // (16 * wr))
         cta_bytes = 16 * wr * (8 // wr) * nstep * step * (1 if fmt == "fp8" else 2)
         score = (ctas >= 96, min(cta_bytes, 65536), wr, -splits)
         if best is None or score > best[0]:
-            best = (score, (splits, wr, nstep))
+            best = (score, (splits, wr, nstep, nchunk))
     if best is None:
         raise ValueError(f"linear_cuda: no gemv config for {fmt} N={N} K={K}")
     return best[1]
 
 
-def gemv(x2: torch.Tensor, w: PreparedLinear, out: torch.Tensor, cfg: tuple[int, int, int] | None = None) -> None:
+def gemv(x2: torch.Tensor, w: PreparedLinear, out: torch.Tensor, cfg: tuple[int, int, int, int] | None = None) -> None:
     """out[M, N] = x2[M, K] @ W^T (see applies()); cfg overrides config() (benchmarks and tests)."""
     mod = cuda_kernels.load()
-    splits, wr, nstep = cfg or config(w.fmt, x2.dtype == torch.float32, x2.shape[0], w.n, w.k) or (None, None, None)
-    if splits is None:
+    cfg = cfg or config(w.fmt, x2.dtype == torch.float32, x2.shape[0], w.n, w.k)
+    if cfg is None:
         raise ValueError(f"linear_cuda.gemv: the Triton kernel runs {w.fmt} [{w.n}, {w.k}] at M = {x2.shape[0]}")
-    mod.gemv(x2, w.weight, w.scale if w.fmt == "fp8" else None, out, splits, wr, nstep, PDL)
+    splits, wr, nstep, nchunk = cfg
+    mod.gemv(x2, w.weight, w.scale if w.fmt == "fp8" else None, out, splits, wr, nstep, nchunk, PDL)

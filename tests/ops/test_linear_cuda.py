@@ -119,7 +119,7 @@ def test_strided_rows_and_determinism():
 
 def test_graph_replay_equals_eager():
     ws = [_weight("fp8", 32768, 1024, 1), _weight("fp8", 4096, 8192, 2), _weight("dense", 1024, 4096, 3)]
-    xs = [_x(1, 1024, torch.bfloat16, 1), _x(2, 8192, torch.bfloat16, 2), _x(1, 4096, torch.float32, 3)]
+    xs = [_x(1, 1024, torch.bfloat16, 1), _x(2, 8192, torch.bfloat16, 2), _x(2, 4096, torch.float32, 3)]
 
     def step():  # back to back: each launch may start (PDL) while the previous one runs
         a = _run(xs[0], ws[0], torch.bfloat16)

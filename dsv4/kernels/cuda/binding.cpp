@@ -10,7 +10,7 @@
 namespace {
 
 void gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scale, at::Tensor& out,
-          int64_t splits, int64_t wr, int64_t nstep, bool pdl) {
+          int64_t splits, int64_t wr, int64_t nstep, int64_t nchunk, bool pdl) {
   TORCH_CHECK(x.is_cuda() && w.is_cuda() && out.is_cuda(), "gemv: tensors must be on CUDA");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && out.dim() == 2, "gemv: x [M, K], w [N, K], out [M, N]");
   const bool fp8 = w.scalar_type() == at::kFloat8_e4m3fn;
@@ -42,7 +42,9 @@ void gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tens
   a.K = static_cast<int>(K);
   a.S = static_cast<int>(splits);
   a.WR = static_cast<int>(wr);
-  a.ks = static_cast<int>((8 / wr) * nstep * (fp8 ? 64 : 32));
+  TORCH_CHECK(nchunk >= 1, "gemv: nchunk must be >= 1");
+  a.nchunk = static_cast<int>(nchunk);
+  a.ks = static_cast<int>((8 / wr) * nchunk * nstep * (fp8 ? 64 : 32));
   TORCH_CHECK(static_cast<int64_t>(a.ks) * splits >= K, "gemv: splits x columns per CTA must cover K");
   a.x_f32 = x.scalar_type() == at::kFloat;
   a.out_f32 = out.scalar_type() == at::kFloat;
@@ -52,9 +54,9 @@ void gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tens
   TORCH_CHECK(e == cudaSuccess, "gemv launch failed: ", cudaGetErrorString(e));
 }
 
-int64_t gemv_smem(bool fp8, bool x_split, int64_t M, int64_t ks, int64_t wr, int64_t nstep) {
+int64_t gemv_smem(bool fp8, bool x_split, int64_t M, int64_t ks, int64_t wr, int64_t nstep, int64_t nchunk) {
   return dsv4::gemv_smem_bytes(fp8, x_split, static_cast<int>(M), static_cast<int>(ks), static_cast<int>(wr),
-                               static_cast<int>(nstep));
+                               static_cast<int>(nstep), static_cast<int>(nchunk));
 }
 
 }  // namespace

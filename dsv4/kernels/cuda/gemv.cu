@@ -3,8 +3,8 @@
 // Weights: FP8 e4m3 with fp32 128x128 block scales (x quantized in-kernel to e4m3 1x128 with power-of-two scales,
 // DeepSeek's act_quant), or dense bf16 (x bf16, or fp32 split exactly into three bf16 parts).
 //
-// Work split: a CTA of 8 warps covers 16*WR weight rows x ks columns; warp (wr, wk) owns 16 rows x NSTEP steps of
-// 16 bytes per lane per row. The S CTAs of a thread-block cluster split K; their partials are summed through
+// Work split: a CTA of 8 warps covers 16*WR weight rows x ks columns; warp (wr, wk) owns 16 rows x nchunk chunks of
+// NSTEP steps of 16 bytes per lane per row, streamed through a 3-chunk cp.async ring. The S CTAs of a thread-block cluster split K; their partials are summed through
 // distributed shared memory in rank order, and the WK warps of a CTA in warp order: every output is written once,
 // with the same bits on every run (no atomics).
 //
@@ -51,10 +51,6 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool ok) 
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(ok ? 16 : 0) : "memory");
 }
 
-__device__ __forceinline__ void cp_async_commit_wait_all() {
-  asm volatile("cp.async.commit_group;" ::: "memory");
-  asm volatile("cp.async.wait_group 0;" ::: "memory");
-}
 
 __device__ __forceinline__ void mma_e4m3(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                          uint32_t b0, uint32_t b1) {
@@ -105,45 +101,58 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvArgs a) {
   const int cta_rows = 16 * a.WR;
   const int row0 = blockIdx.y * cta_rows + wr * 16;
   const int cta_col0 = blockIdx.x * a.ks;
-  const int wcol = wk * NSTEP * STEPC;         // warp's first column inside the CTA's range
+  const int nchunk = a.nchunk;
+  const int wcol = wk * nchunk * NSTEP * STEPC;  // warp's first column inside the CTA's range
   const int M = a.M;
+  constexpr int NBUF = 3;  // chunks of NSTEP steps in the cp.async ring: two in flight while one is multiplied
+  const int nslot = nchunk < NBUF ? nchunk : NBUF;
 
   griddep_launch_dependents();
 
-  // ---- weights (and their block scales): issued before waiting on the previous kernel. Each thread copies its
-  // own 2 x NSTEP chunks (rows g and g+8) to its own slots wsm[s][0|1][thread] and reads back only those.
+  // ---- weights: a ring of chunks wsm[slot][step][row g | g+8][thread], 16 bytes each; every thread copies and
+  // later reads back only its own slots (no barrier). One commit group per chunk, empty past the last, so that
+  // wait_group(NBUF - 1) always means "chunk c has landed". The first NBUF - 1 chunks and the FP8 block scales
+  // (weights too: never written by an earlier kernel) are issued before waiting on the previous kernel.
   uint4* wsm = reinterpret_cast<uint4*>(smem);
   const unsigned char* wbytes = static_cast<const unsigned char*>(a.w);
   const int ra = row0 + g, rb = row0 + g + 8;
+  auto issue = [&](int c) {
+    if (c < nchunk) {
+      const int slot = c % NBUF;
 #pragma unroll
-  for (int s = 0; s < NSTEP; ++s) {
-    const int c = cta_col0 + wcol + s * STEPC + t * CPL;
-    const bool okc = c < a.K;
-    cp_async16(wsm + (2 * s) * kThreads + threadIdx.x, wbytes + (static_cast<long long>(ra) * a.K + c) * EB,
-               okc && ra < a.N);
-    cp_async16(wsm + (2 * s + 1) * kThreads + threadIdx.x, wbytes + (static_cast<long long>(rb) * a.K + c) * EB,
-               okc && rb < a.N);
-  }
-  float swv[FMT == 1 ? (NSTEP + 1) / 2 : 1];
+      for (int s = 0; s < NSTEP; ++s) {
+        const int col = cta_col0 + wcol + (c * NSTEP + s) * STEPC + t * CPL;
+        const bool okc = col < a.K;
+        uint4* dst = wsm + ((slot * NSTEP + s) * 2) * kThreads + threadIdx.x;
+        cp_async16(dst, wbytes + (static_cast<long long>(ra) * a.K + col) * EB, okc && ra < a.N);
+        cp_async16(dst + kThreads, wbytes + (static_cast<long long>(rb) * a.K + col) * EB, okc && rb < a.N);
+      }
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  };
+  float* ssm = reinterpret_cast<float*>(smem + nslot * NSTEP * 2 * kThreads * 16);  // [ks / 128] fp8 block scales
+  const int nsc = FMT == 1 ? a.ks / 128 : 0;
   if constexpr (FMT == 1) {
-#pragma unroll
-    for (int s = 0; s < NSTEP; s += 2) {
-      const int c = cta_col0 + wcol + s * STEPC;
-      swv[s / 2] = (c < a.K && row0 < a.N) ? a.ws[static_cast<long long>(row0 / 128) * a.ws_ld + c / 128] : 0.0f;
+    const int cta_row0 = blockIdx.y * cta_rows;  // the CTA's rows sit in one 128-row scale block
+    for (int i = threadIdx.x; i < nsc; i += kThreads) {
+      const int col = cta_col0 + i * 128;
+      ssm[i] = (col < a.K && cta_row0 < a.N) ? a.ws[static_cast<long long>(cta_row0 / 128) * a.ws_ld + col / 128] : 0.0f;
     }
   }
+#pragma unroll
+  for (int c = 0; c < NBUF - 1; ++c) issue(c);
 
   griddep_wait();
 
   // ---- x for the CTA's columns -> shared memory
   const int pitch = a.ks + 16;  // bytes (fp8) or elements (bf16) per token row; +16 spreads the banks
-  unsigned char* xsm = smem + 2 * NSTEP * kThreads * 16;
+  unsigned char* xsm = reinterpret_cast<unsigned char*>(ssm) + ((nsc * 4 + 15) / 16) * 16;
   unsigned char* xq = xsm;
   float* sa = nullptr;
   __nv_bfloat16* xh = reinterpret_cast<__nv_bfloat16*>(xsm);
   float* red;
   if constexpr (FMT == 1) {
-    const int nblk = a.ks / 128;
+    const int nblk = nsc;
     sa = reinterpret_cast<float*>(xsm + ((M * pitch + 15) / 16) * 16);
     red = sa + M * nblk;
     for (int p = warp; p < M * nblk; p += kThreads / 32) {
@@ -197,46 +206,55 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvArgs a) {
       }
     }
   }
-  cp_async_commit_wait_all();
-  __syncthreads();
+  __syncthreads();  // x (and the scales) staged
 
   // ---- the products: acc[0..3] = (row g, token 2t), (row g, 2t+1), (row g+8, 2t), (row g+8, 2t+1)
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  const float* sa0p = nullptr;
+  const float* sa1p = nullptr;
   if constexpr (FMT == 1) {
-    const int nblk = a.ks / 128;
-    const float* sa0p = 2 * t < M ? sa + (2 * t) * nblk : nullptr;
-    const float* sa1p = 2 * t + 1 < M ? sa + (2 * t + 1) * nblk : nullptr;
+    sa0p = 2 * t < M ? sa + (2 * t) * nsc : nullptr;
+    sa1p = 2 * t + 1 < M ? sa + (2 * t + 1) * nsc : nullptr;
+  }
+  for (int c = 0; c < nchunk; ++c) {
+    issue(c + NBUF - 1);
+    asm volatile("cp.async.wait_group %0;" ::"n"(NBUF - 1) : "memory");
+    const uint4* wc = wsm + ((c % NBUF) * NSTEP * 2) * kThreads + threadIdx.x;
+    const int ccol = wcol + c * NSTEP * STEPC;  // the chunk's first column inside the CTA's range
+    if constexpr (FMT == 1) {
 #pragma unroll
-    for (int s = 0; s < NSTEP; s += 2) {
-      float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      for (int s = 0; s < NSTEP; s += 2) {
+        float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-      for (int u = 0; u < 2 && s + u < NSTEP; ++u) {
-        const int cl = wcol + (s + u) * STEPC + t * CPL;
-        const uint4 xb = g < M ? *reinterpret_cast<const uint4*>(xq + g * pitch + cl) : make_uint4(0, 0, 0, 0);
-        const uint4 wa = wsm[(2 * (s + u)) * kThreads + threadIdx.x], wb = wsm[(2 * (s + u) + 1) * kThreads + threadIdx.x];
-        mma_e4m3(d, wa.x, wb.x, wa.y, wb.y, xb.x, xb.y);
-        mma_e4m3(d, wa.z, wb.z, wa.w, wb.w, xb.z, xb.w);
+        for (int u = 0; u < 2; ++u) {
+          const int cl = ccol + (s + u) * STEPC + t * CPL;
+          const uint4 xb = g < M ? *reinterpret_cast<const uint4*>(xq + g * pitch + cl) : make_uint4(0, 0, 0, 0);
+          const uint4 wa = wc[(2 * (s + u)) * kThreads], wb = wc[(2 * (s + u) + 1) * kThreads];
+          mma_e4m3(d, wa.x, wb.x, wa.y, wb.y, xb.x, xb.y);
+          mma_e4m3(d, wa.z, wb.z, wa.w, wb.w, xb.z, xb.w);
+        }
+        // one 128-column block: promote to fp32 with the activation and weight block scales (powers of two)
+        const int kb = (ccol + s * STEPC) / 128;
+        const float sw = ssm[kb];
+        const float f0 = sa0p ? sa0p[kb] * sw : 0.0f;
+        const float f1 = sa1p ? sa1p[kb] * sw : 0.0f;
+        acc[0] += d[0] * f0;
+        acc[1] += d[1] * f1;
+        acc[2] += d[2] * f0;
+        acc[3] += d[3] * f1;
       }
-      // one 128-column block: promote to fp32 with the activation and weight block scales (powers of two)
-      const int kb = (wcol + s * STEPC) / 128;
-      const float f0 = sa0p ? sa0p[kb] * swv[s / 2] : 0.0f;
-      const float f1 = sa1p ? sa1p[kb] * swv[s / 2] : 0.0f;
-      acc[0] += d[0] * f0;
-      acc[1] += d[1] * f1;
-      acc[2] += d[2] * f0;
-      acc[3] += d[3] * f1;
-    }
-  } else {
+    } else {
 #pragma unroll
-    for (int s = 0; s < NSTEP; ++s) {
-      const int cl = wcol + s * STEPC + t * CPL;
-      const uint4 wa = wsm[(2 * s) * kThreads + threadIdx.x], wb = wsm[(2 * s + 1) * kThreads + threadIdx.x];
+      for (int s = 0; s < NSTEP; ++s) {
+        const int cl = ccol + s * STEPC + t * CPL;
+        const uint4 wa = wc[(2 * s) * kThreads], wb = wc[(2 * s + 1) * kThreads];
 #pragma unroll
-      for (int part = 0; part < NPART; ++part) {
-        const uint4 xb = g < M ? *reinterpret_cast<const uint4*>(xh + (part * M + g) * pitch + cl)
-                               : make_uint4(0, 0, 0, 0);
-        mma_bf16(acc, wa.x, wb.x, wa.y, wb.y, xb.x, xb.y);
-        mma_bf16(acc, wa.z, wb.z, wa.w, wb.w, xb.z, xb.w);
+        for (int part = 0; part < NPART; ++part) {
+          const uint4 xb = g < M ? *reinterpret_cast<const uint4*>(xh + (part * M + g) * pitch + cl)
+                                 : make_uint4(0, 0, 0, 0);
+          mma_bf16(acc, wa.x, wb.x, wa.y, wb.y, xb.x, xb.y);
+          mma_bf16(acc, wa.z, wb.z, wa.w, wb.w, xb.z, xb.w);
+        }
       }
     }
   }
@@ -336,17 +354,19 @@ cudaError_t launch_nstep(const GemvArgs& a, int nstep, int smem, bool pdl, cudaS
 
 }  // namespace
 
-int gemv_smem_bytes(int fp8, int x_split, int M, int ks, int WR, int nstep) {
+int gemv_smem_bytes(int fp8, int x_split, int M, int ks, int WR, int nstep, int nchunk) {
   const int pitch = ks + 16;
   const int cta_rows = 16 * WR;
   const int WK = kThreads / 32 / WR;
   int bytes = fp8 ? ((M * pitch + 15) / 16) * 16 + M * (ks / 128) * 4
                   : (((x_split ? 3 : 1) * M * pitch * 2 + 15) / 16) * 16;
-  return 2 * nstep * kThreads * 16 + bytes + (WK + 1) * M * cta_rows * 4;
+  const int ring = (nchunk < 3 ? nchunk : 3) * nstep * 2 * kThreads * 16;
+  const int scales = fp8 ? ((ks / 128 * 4 + 15) / 16) * 16 : 0;
+  return ring + scales + bytes + (WK + 1) * M * cta_rows * 4;
 }
 
 cudaError_t gemv_launch(const GemvArgs& a, int fp8, int nstep, bool pdl, cudaStream_t stream) {
-  const int smem = gemv_smem_bytes(fp8, a.x_f32 && !fp8, a.M, a.ks, a.WR, nstep);
+  const int smem = gemv_smem_bytes(fp8, a.x_f32 && !fp8, a.M, a.ks, a.WR, nstep, a.nchunk);
   if (fp8) return launch_nstep<1, false>(a, nstep, smem, pdl, stream);
   if (a.x_f32) return launch_nstep<0, true>(a, nstep, smem, pdl, stream);
   return launch_nstep<0, false>(a, nstep, smem, pdl, stream);

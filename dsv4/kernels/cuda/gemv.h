@@ -15,12 +15,13 @@ struct GemvArgs {
   int M, N, K;
   int S;              // CTAs per cluster along K (gridDim.x), 1..8
   int WR;             // 16-row groups per CTA (1, 2, 4, 8); the 8 / WR warps per group split the CTA's columns
-  int ks;             // columns per CTA = (8 / WR) * nstep * (64 fp8 | 32 bf16)
+  int nchunk;         // chunks of nstep steps per warp, streamed through the ring
+  int ks;             // columns per CTA = (8 / WR) * nchunk * nstep * (64 fp8 | 32 bf16)
   int x_f32, out_f32;
   int x_vec;          // x rows 16-byte aligned (base and stride): vector loads
 };
 
-int gemv_smem_bytes(int fp8, int x_split, int M, int ks, int WR, int nstep);
+int gemv_smem_bytes(int fp8, int x_split, int M, int ks, int WR, int nstep, int nchunk);
 cudaError_t gemv_launch(const GemvArgs& a, int fp8, int nstep, bool pdl, cudaStream_t stream);
 
 }  // namespace dsv4
