@@ -8,7 +8,8 @@ measured in the same run. Timings replay a CUDA graph of --calls back-to-back ca
 excluded, as in the decode graphs); an op that cannot be captured is timed eagerly and marked so. The calls
 cycle through enough distinct copies of the weights (and inputs) to exceed 3x the L2 cache, so every call
 streams its weights from device memory as in a decode step. --sweep-gemv times every configuration of the
-CUDA decode GEMV (dsv4/ops/linear_cuda.py) per linear case instead.
+CUDA decode GEMV (dsv4/ops/linear_cuda.py) per linear case instead; --sweep-mm every tile config (split-K
+included) of the Triton tensor-core kernel at M > 16.
 Needs CUDA. Prints a table and writes JSON (--json). A benchmark, not a test.
 """
 
@@ -36,6 +37,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     p.add_argument("--sweep-gemv", action="store_true",
                    help="time every (splits, WR, nstep) of the CUDA decode GEMV per FP8/bf16 linear case at each M")
+    p.add_argument("--sweep-mm", action="store_true",
+                   help="time every tile config (BM, BN, stages, split-K) of the Triton tensor-core kernel per "
+                        "linear case at each M > 16")
     p.add_argument("--json", metavar="F", help="write the results as JSON to F")
     return p.parse_args(argv)
 
@@ -258,6 +262,47 @@ def sweep_gemv(args, cases, ms, bw, dev) -> int:
     return 0
 
 
+def sweep_mm(args, cases, ms, bw, dev) -> int:
+    """Every tile config of the Triton tensor-core kernel per linear case and M > 16: us and % copy."""
+    import torch
+
+    from dsv4.ops import linear_triton as lt
+
+    results = []
+    for name, (op_name, make) in cases.items():
+        if op_name != "linear":
+            continue
+        for M in (m for m in ms if m > 16):
+            first, moved = make(M)
+            sets = [first] + [make(M)[0] for _ in range(copies_needed(moved, dev) - 1)]
+            x0, w0, aq, odt = first
+            dot = lt._dot_mode(x0, w0, bool(aq and w0.quantized), odt)
+            chosen = lt._mm_config(w0.fmt, M, w0.n, w0.k, 1, lt._num_sms(dev), dot)
+            line = {"case": name, "M": M, "bytes": moved, "chosen": list(chosen), "configs": []}
+            for cfg in lt.mm_candidates(M, w0.n, w0.k, dot):
+                try:
+                    us, _ = time_us([lambda a=a, c=cfg: lt._linear_variant(*a, "mm", mm_cfg=c) for a in sets],
+                                    args.calls, args.reps)
+                except Exception as e:  # e.g. a tile that does not fit shared memory
+                    print(f"    {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
+                    continue
+                line["configs"].append({"cfg": list(cfg), "us": us, "pct_copy_bw": 100 * moved / (us * 1e-6) / 1e9 / bw})
+            line["configs"].sort(key=lambda r: r["us"])
+            best = line["configs"][0]
+            mine = next((r for r in line["configs"] if tuple(r["cfg"]) == chosen), None)
+            mine_s = f"{mine['us']:6.1f} us ({mine['pct_copy_bw']:.0f}%)" if mine else "(not swept)"
+            print(f"{name:16s} M={M} {moved / 1e6:7.2f} MB  chosen {chosen[1:]} {mine_s}  "
+                  f"best {tuple(best['cfg'][1:])} {best['us']:6.1f} us ({best['pct_copy_bw']:.0f}%)")
+            print("    " + "  ".join(f"{tuple(r['cfg'][1:])}:{r['us']:.1f}" for r in line["configs"][:12]))
+            results.append(line)
+            del sets
+        torch.cuda.empty_cache()
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(dev), "copy_bw_gbps": bw,
+                                               "sweep_mm": results}, indent=1))
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
@@ -291,6 +336,8 @@ def main(argv=None) -> int:
     print(f"device: {torch.cuda.get_device_name(dev)}; copy bandwidth {bw:.0f} GB/s (read + write, same run)")
     if args.sweep_gemv:
         return sweep_gemv(args, cases, ms, bw, dev)
+    if args.sweep_mm:
+        return sweep_mm(args, cases, ms, bw, dev)
     rows = []
     for name, (op_name, make) in cases.items():
         op = ops.OPS[op_name]

@@ -215,15 +215,17 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, sx_m, R: tl.constexpr, BMQ: tl.
 
 
 @triton.jit
-def _mm_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, g_ptr, o_ptr, M, N, K,
+def _mm_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, g_ptr, o_ptr, p_ptr, c_ptr, M, N, K, KS, SPLIT,
                sx_g, sx_m, sw_g, sw_n, ss_g, ss_n, so_g, so_m,
                FMT: tl.constexpr, ACT_QUANT: tl.constexpr, XQ: tl.constexpr, GROUP: tl.constexpr, DOT: tl.constexpr,
                SWAP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NUM_STAGES: tl.constexpr,
-               OPT: tl.constexpr):
+               OPT: tl.constexpr, SPLITK: tl.constexpr):
     BK: tl.constexpr = 128
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
-    g = tl.program_id(2).to(tl.int64)
+    pid_z = tl.program_id(2)
+    g = (pid_z // SPLIT).to(tl.int64)
+    ks = pid_z % SPLIT  # this program's K range: [ks * KS, (ks + 1) * KS), KS a multiple of BK
     x_ptr += g * sx_g
     w_ptr += g * sw_g
     s_ptr += g * ss_g
@@ -241,7 +243,7 @@ def _mm_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, g_ptr, o_ptr, M, N, K,
         acc = tl.zeros([BN, BM], dtype=tl.float32)
     else:
         acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in tl.range(0, K, BK, num_stages=NUM_STAGES):
+    for k0 in tl.range(ks * KS, tl.minimum(ks * KS + KS, K), BK, num_stages=NUM_STAGES):
         kk = k0 + offs_k[None, :]
         x = tl.load(x_rows + kk, mask=(m2 < M) & (kk < K), other=0.0)
         # ---- activation operand(s); XQ: x is already e4m3 (_act_quant_kernel) with scales s_a [M, K/128]
@@ -324,15 +326,34 @@ def _mm_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, g_ptr, o_ptr, M, N, K,
                 acc += p * f
         else:
             acc += p
-    if FMT == 3:
-        acc = acc * tl.load(g_ptr)
     if SWAP:
         om = offs_m[None, :]
         on = offs_n[:, None]
     else:
         om = offs_m[:, None]
         on = offs_n[None, :]
-    tl.store(o_ptr + om.to(tl.int64) * so_m + on, _out(acc, o_ptr), mask=(om < M) & (on < N))
+    ok = (om < M) & (on < N)
+    if SPLITK:  # SPLIT > 1
+        # split-K: every program stores its fp32 partial [G, SPLIT, M, N]; the last of a tile's SPLIT programs
+        # (a per-tile arrival counter) sums them in split order, so the bits do not depend on which one is
+        # last, and resets the counter for the next launch (graph replays included)
+        part = p_ptr + ((g * SPLIT) * M + om.to(tl.int64)) * N + on
+        tl.store(part + ks * M * N, acc, mask=ok)
+        tl.debug_barrier()  # every thread's partial is stored before the (release) arrival
+        tile = (g * tl.num_programs(1) + pid_m) * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(c_ptr + tile, 1, sem="acq_rel")
+        if arrived == SPLIT - 1:
+            acc = tl.load(part, mask=ok, other=0.0, cache_modifier=".cg")
+            for t in range(1, SPLIT):
+                acc += tl.load(part + t * M * N, mask=ok, other=0.0, cache_modifier=".cg")
+            if FMT == 3:
+                acc = acc * tl.load(g_ptr)
+            tl.store(o_ptr + om.to(tl.int64) * so_m + on, _out(acc, o_ptr), mask=ok)
+            tl.atomic_xchg(c_ptr + tile, 0)
+    else:
+        if FMT == 3:
+            acc = acc * tl.load(g_ptr)
+        tl.store(o_ptr + om.to(tl.int64) * so_m + on, _out(acc, o_ptr), mask=ok)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -384,24 +405,55 @@ def _gemv_config(fmt: str, wbytes: float, M: int, N: int, K: int, G: int, sms: i
     return BM, BN, BK, V, 4
 
 
+MAX_SPLIT_TILES = 4096  # output tiles a split-K launch may have (the size of the per-device arrival counters)
+
+
 @functools.lru_cache(maxsize=None)
 def _mm_config(fmt: str, M: int, N: int, K: int, G: int, sms: int, dot: int):
-    """(SWAP, BM, BN, num_warps, num_stages) for the tensor-core kernel. M <= 16: swap-AB, weight rows fill
-    the MMA M dimension (tokens padded to >= 4), BN shrinks (>= 16) until there is a CTA per SM. Larger M:
-    64/128 x 128/64 tiles, the smaller ones when the large ones leave SMs idle."""
+    """(SWAP, BM, BN, num_warps, num_stages, SPLIT) for the tensor-core kernel. M <= 16: swap-AB, weight rows
+    fill the MMA M dimension (tokens padded to >= 4), BN shrinks (>= 16) until there is a CTA per SM.
+    Larger M, from the H200 sweep at M = 128 (tools/bench_ops.py --sweep-mm, docs/performance.md): 128 x 128
+    tiles, 8 warps, where they alone give every SM a tile, else 64 x 64 tiles with 4 warps; 4 stages for the
+    FP8 dot, 3 otherwise (shared memory). Split-K (SPLIT programs share a tile's K): 2 for quantized weights
+    with >= 32 blocks of K on fewer than 2 tiles per SM (wo_b, wq_a || wkv, shared w1); dense weights (more
+    MMA work per weight byte: split bf16 dots) up to 8 while each split keeps >= 4 blocks of K and there are
+    <= 4 programs per SM."""
     if M <= 16:
         BM = max(4, triton.next_power_of_2(M))  # 1-2 rows ran slower than 4 (padded rows are masked)
         BN = 128
         while BN > 16 and G * triton.cdiv(N, BN) < sms:
             BN //= 2
-        return True, BM, BN, 4, 4
-    BM = 64 if M <= 64 or dot in (_DOT_SPLIT3, _DOT_IEEE) else 128
-    BN = 128
-    if G * triton.cdiv(N, BN) * triton.cdiv(M, BM) < sms:
-        BN = 64
-    if G * triton.cdiv(N, BN) * triton.cdiv(M, BM) < sms:
-        BM = 64
-    return False, BM, BN, 8 if BM == 128 else 4, 3
+        return True, BM, BN, 4, 4, 1
+    stages = 4 if dot == _DOT_FP8 else 3
+    if M > 64 and dot not in (_DOT_SPLIT3, _DOT_IEEE) and G * triton.cdiv(N, 128) * triton.cdiv(M, 128) >= sms:
+        BM, BN, warps = 128, 128, 8
+    else:
+        BM, BN, warps = 64, 64, 4
+    tiles = G * triton.cdiv(N, BN) * triton.cdiv(M, BM)
+    kb = triton.cdiv(K, 128)
+    split = 1
+    if tiles <= MAX_SPLIT_TILES:
+        if fmt == "dense":
+            while split < 8 and kb >= 4 * 2 * split and tiles * 2 * split <= 4 * sms:
+                split *= 2
+        elif tiles < 2 * sms and kb >= 32:
+            split = 2
+    return False, BM, BN, warps, stages, split
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_counters(device: torch.device) -> torch.Tensor:
+    """MAX_SPLIT_TILES int32 zeros: the split-K arrival counters of `device` (each launch leaves them zero).
+    Made once, outside graph capture; a launch captured before they exist gets its own (a memset node)."""
+    c = _COUNTERS.get(device)
+    if c is None:
+        c = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return c  # in the graph's pool: not kept beyond this launch
+        _COUNTERS[device] = c
+    return c
 
 
 @functools.lru_cache(maxsize=None)
@@ -434,10 +486,12 @@ def _use_gemv(fmt: str, M: int, N: int, G: int) -> bool:
     return M <= 4 and fmt in ("dense", "fp8") and rows <= 2048
 
 
-def _launch(x2, w: PreparedLinear, out, M, N, K, G, xs, ws, ss, os_, act_quant: bool, out_dtype, force=None):
+def _launch(x2, w: PreparedLinear, out, M, N, K, G, xs, ws, ss, os_, act_quant: bool, out_dtype, force=None,
+            mm_cfg=None):
     """x2 / out: base tensors; xs = (group stride, row stride), ws = (group stride, row stride) of the weight,
     ss = same for the scale, os_ = (group stride, row stride) of the output. `force` (benchmarks only):
-    "gemv" | "mm" | "mm16" (tensor-core kernel with 16-bit operands, no FP8 dot)."""
+    "gemv" | "mm" | "mm16" (tensor-core kernel with 16-bit operands, no FP8 dot); `mm_cfg` (benchmarks and
+    tests) overrides _mm_config's tile choice."""
     fmt = w.fmt
     aq = bool(act_quant and w.quantized)
     s = w.scale if w.scale is not None else w.weight
@@ -454,7 +508,14 @@ def _launch(x2, w: PreparedLinear, out, M, N, K, G, xs, ws, ss, os_, act_quant: 
     dot = _dot_mode(x2, w, aq, out_dtype)
     if force == "mm16" and dot == _DOT_FP8:
         dot = _DOT_BF16
-    swap, BM, BN, warps, stages = _mm_config(fmt, M, N, K, G, sms, dot)
+    swap, BM, BN, warps, stages, split = mm_cfg or _mm_config(fmt, M, N, K, G, sms, dot)
+    ks = K
+    if split > 1:
+        ks = triton.cdiv(triton.cdiv(K, split), 128) * 128
+        split = triton.cdiv(K, ks)  # every split has work
+    tiles = triton.cdiv(N, BN) * triton.cdiv(M, BM) * G
+    if split > 1 and tiles > MAX_SPLIT_TILES:
+        raise ValueError(f"linear: split-K over {tiles} tiles (at most {MAX_SPLIT_TILES})")
     # x is quantized in the kernel for decode tiles (<= 4 tokens, or 128-row weight tiles: measured faster,
     # one launch); otherwise once up front (per weight tile it would be redone N / BN times)
     xq_first = aq and not (swap and (M <= 4 or BN == 128))
@@ -466,7 +527,11 @@ def _launch(x2, w: PreparedLinear, out, M, N, K, G, xs, ws, ss, os_, act_quant: 
         _act_quant_kernel[(triton.cdiv(M, BMQ), triton.cdiv(K // ACT_BLOCK, R))](
             x2, xq, xsc, M, K, xs[1], R=R, BMQ=BMQ, HW_CVT=x2.is_cuda, num_warps=4)
         wargs = wargs[:7] + (0, K) + wargs[9:]
-    grid = (triton.cdiv(N, BN), triton.cdiv(M, BM), G)
+    part = cnt = out
+    if split > 1:  # fp32 partials [G, split, M, N]: stream-ordered scratch, CUDA-graph safe
+        part = torch.empty((G, split, M, N), dtype=torch.float32, device=x2.device)
+        cnt = _split_counters(x2.device)
+    grid = (triton.cdiv(N, BN), triton.cdiv(M, BM), G * split)
     # OPT: the dtype of the exact 16-bit operands: fp16 for e4m3 x e4m3 (e4m3 -> fp16 is one cvt per two
     # values; -> bf16 goes through fp16 and a quarter-rate F2F), bf16 otherwise. The Triton interpreter
     # multiplies bf16 dot operands as raw 16-bit integers, so there they travel as fp32 (same values).
@@ -476,8 +541,9 @@ def _launch(x2, w: PreparedLinear, out, M, N, K, G, xs, ws, ss, os_, act_quant: 
         opt = tl.float16
     else:
         opt = tl.bfloat16
-    _mm_kernel[grid](xq, xsc, *wargs, FMT=_FMTS[fmt], ACT_QUANT=aq, XQ=xq_first, GROUP=group, DOT=dot, SWAP=swap,
-                     BM=BM, BN=BN, NUM_STAGES=stages, OPT=opt, num_warps=warps)
+    _mm_kernel[grid](xq, xsc, *wargs[:4], part, cnt, *wargs[4:7], ks, split, *wargs[7:], FMT=_FMTS[fmt],
+                     ACT_QUANT=aq, XQ=xq_first, GROUP=group, DOT=dot, SWAP=swap, BM=BM, BN=BN, NUM_STAGES=stages,
+                     OPT=opt, SPLITK=split > 1, num_warps=warps)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -594,11 +660,28 @@ def wo_a(o: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _linear_variant(x, w: PreparedLinear, act_quant: bool, out_dtype, variant: str) -> torch.Tensor:
-    """`linear` with the kernel forced (benchmarks and A/B only; see _launch's `force`)."""
+def _linear_variant(x, w: PreparedLinear, act_quant: bool, out_dtype, variant: str, mm_cfg=None) -> torch.Tensor:
+    """`linear` with the kernel forced (benchmarks and A/B only; see _launch's `force` and `mm_cfg`)."""
     x2 = x.reshape(-1, w.k)
     out = torch.empty((x2.shape[0], w.n), dtype=out_dtype, device=x.device)
     sn = w.scale.stride(0) if w.scale is not None else 0
     _launch(x2, w, out, x2.shape[0], w.n, w.k, 1, (0, x2.stride(0)), (0, w.weight.stride(0)), (0, sn), (0, w.n),
-            bool(act_quant and w.quantized), out_dtype, force=variant)
+            bool(act_quant and w.quantized), out_dtype, force=variant, mm_cfg=mm_cfg)
+    return out
+
+
+def mm_candidates(M: int, N: int, K: int, dot: int) -> list[tuple]:
+    """Tile configs (SWAP, BM, BN, num_warps, num_stages, SPLIT) of the tensor-core kernel for M > 16 that
+    tools/bench_ops.py --sweep-mm times: BM 64/128 (64 for the 16-bit split / fp32 dots), BN 64/128/256,
+    3 or 4 stages, split-K 1-16 while each split keeps >= 2 blocks of 128."""
+    out = []
+    for bm in ((64,) if dot in (_DOT_SPLIT3, _DOT_IEEE) or M <= 64 else (64, 128)):
+        for bn in (64, 128, 256):
+            if bn == 256 and (bm == 64 or dot in (_DOT_SPLIT3, _DOT_IEEE)):
+                continue
+            for stages in (3, 4):
+                split = 1
+                while split <= 16 and triton.cdiv(K, 128) >= 2 * split:
+                    out.append((False, bm, bn, 8 if bm == 128 else 4, stages, split))
+                    split *= 2
     return out

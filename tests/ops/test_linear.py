@@ -128,6 +128,36 @@ def test_linear_forced_tensor_core_decode(fmt):
         assert_close_rel(y, linear_ref(x, w, True, out_dtype), _tolerance(x, w, True, out_dtype, forced_mm=True))
 
 
+@cpu_tier
+@pytest.mark.parametrize("split", [2, 3, 4])
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "bf16"])
+def test_linear_split_k(fmt, split):
+    # prefill tiles with K split over programs (the last to arrive sums the fp32 partials in split order):
+    # a ragged last split (K = 640 = 5 blocks), odd N and M tails, every output written once
+    w = _weight(fmt, 200, 640, seed=31 + split)
+    x = _x((37, 640), torch.bfloat16, seed=32 + split)
+    for out_dtype in (torch.bfloat16, torch.float32):
+        cfg = (False, 32, 64, 4, 2, split)
+        y = lt._linear_variant(x, w, True, out_dtype, "mm", mm_cfg=cfg)
+        assert_close_rel(y, linear_ref(x, w, True, out_dtype), _tolerance(x, w, True, out_dtype, forced_mm=True))
+        # the counters are back to zero, so a second launch sums again (as a graph replay does), same bits
+        assert_bitwise_equal(lt._linear_variant(x, w, True, out_dtype, "mm", mm_cfg=cfg), y, "split-K relaunch")
+    assert not lt._split_counters(x.device).any()
+
+
+@cpu_tier
+def test_mm_config_splits_k_only_when_tiles_leave_sms_idle():
+    # 132 SMs: a 128-token chunk over the 1536-row wq_a || wkv (12 tiles of 128 x 128) splits K=4096; the
+    # 32768-row wq_b (256 tiles) does not; the ragged wo_a groups never exceed the counters
+    assert lt._mm_config("fp8", 128, 1536, 4096, 1, 132, lt._DOT_FP8)[-1] > 1
+    assert lt._mm_config("fp8", 128, 32768, 1024, 1, 132, lt._DOT_FP8)[-1] == 1
+    for m, n, k, g in ((128, 1024, 4096, 8), (17, 64, 4096, 1), (128, 4096, 256, 1)):
+        sw, bm, bn, _, _, split = lt._mm_config("fp8", m, n, k, g, 132, lt._DOT_FP8)
+        assert split == 1 or (-(-k // 128) >= 4 * (split // 2) and g * -(-n // bn) * -(-m // bm) <= lt.MAX_SPLIT_TILES)
+    for cfg in lt.mm_candidates(128, 1536, 4096, lt._DOT_FP8):
+        assert -(-4096 // 128) >= 2 * cfg[-1]
+
+
 def _edge_activations(m: int) -> torch.Tensor:
     """[m, 256] fp32 rows that probe the FP8 1x128 quantizer: ties between e4m3 neighbours, a carry into the
     next binade, the subnormal grid, exact powers of two as amax, the 1e-4 amax floor, signs."""
