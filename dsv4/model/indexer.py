@@ -16,8 +16,6 @@ from dsv4 import ops
 from dsv4.config import ModelConfig
 from dsv4.model.compressor import Compressor
 from dsv4.model.layers import Linear, Numerics, Rope, StepPlan
-from dsv4.ops.fp4_quant import fp4_act_quant_sim_ref
-from dsv4.ops.hadamard import hadamard_ref
 from dsv4.state import CompressorState
 
 
@@ -41,7 +39,7 @@ class Indexer(nn.Module):
         q = ops.rope(q, cos, sin, False)
         ref = self.numerics.reference
         if ref:
-            q = fp4_act_quant_sim_ref(hadamard_ref(q), 32)
+            q = ops.rotate_fp4(q)
             w = self.weights_proj(x) * self.scale  # bf16 linear, bf16 scaling
         else:
             w = self.weights_proj(x, torch.float32) * self.scale

@@ -154,9 +154,10 @@ def set_hook(hook: Callable | None) -> None:
 from dsv4.ops import (  # noqa: E402
     act_quant as _act_quant, head as _head, linear as _linear, mhc as _mhc, moe as _moe, norm as _norm,
     rope as _rope, sparse_attn as _sparse_attn, compressor as _compressor, indexer as _indexer,
+    hadamard as _hadamard,
 )
 
-for _mod in (_act_quant, _linear, _norm, _rope, _mhc, _compressor, _indexer, _sparse_attn, _moe, _head):
+for _mod in (_act_quant, _linear, _norm, _rope, _mhc, _compressor, _hadamard, _indexer, _sparse_attn, _moe, _head):
     _mod.register_ops(register)
 
 act_quant = _dispatcher("act_quant")
@@ -170,6 +171,7 @@ mhc_pre = _dispatcher("mhc_pre")
 mhc_post = _dispatcher("mhc_post")
 mhc_head = _dispatcher("mhc_head")
 compressor = _dispatcher("compressor")
+rotate_fp4 = _dispatcher("rotate_fp4")
 indexer_scores = _dispatcher("indexer_scores")
 topk_select = _dispatcher("topk_select")
 sparse_attn = _dispatcher("sparse_attn")

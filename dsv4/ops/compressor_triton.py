@@ -7,9 +7,9 @@ Same signature and result as `compressor_ref` (dsv4/ops/compressor.py). Two laun
    write the pooled value to a scratch row, and write the new state (the open rows as assembled; CSA: the
    window becomes the previous one when it closes);
 2. `_finish_kernel`, grid (B,): bf16 cast, weighted RMSNorm, RoPE at the window's first position, the FP8
-   simulation of the no-RoPE dims (block 64), and the insert at the window's entry when it closes (a window
-   that stays open leaves its row as it is). The indexer's keys (Hadamard + FP4 simulation) are finished by the reference
-   `finish_entries` after launch 1.
+   simulation of the no-RoPE dims (block 64) or, for the indexer's keys, the Hadamard rotation + FP4
+   simulation of the row (dsv4/ops/hadamard_triton.py's helpers, bit for bit rotate_fp4_ref), and the insert at
+   the window's entry when it closes (a window that stays open leaves its row as it is).
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ import triton
 import triton.language as tl
 
 from dsv4.ops.compressor import compressor_ref, finish_entries
+from dsv4.ops.hadamard_triton import fp4_sim_rows, hadamard_rows, hadamard_scale
 from dsv4.ops.triton_util import cast, e4m3_round, round_to, ue8m0_scale
+
 
 def _block(ratio: int, overlap: bool) -> int:
     """Channels per program: the rows x channels tiles stay ~2K elements (HCA pools 128 rows)."""
@@ -90,7 +92,7 @@ def _pool_kernel(c_ptr, g_ptr, ape_ptr, kv_ptr, sc_ptr, e_ptr, start_ptr, C, d,
 @triton.jit
 def _finish_kernel(e_ptr, w_ptr, cos_ptr, sin_ptr, ent_ptr, start_ptr, d, n_rows, eps, n_pos,
                    R: tl.constexpr, RD2: tl.constexpr, NOPE: tl.constexpr, NB_P: tl.constexpr,
-                   QUANT: tl.constexpr, BLOCK: tl.constexpr):
+                   QUANT: tl.constexpr, BLOCK: tl.constexpr, LOG2D: tl.constexpr, HSCALE: tl.constexpr):
     b = tl.program_id(0)
     DT: tl.constexpr = ent_ptr.dtype.element_ty
     pos = tl.load(start_ptr)
@@ -116,7 +118,13 @@ def _finish_kernel(e_ptr, w_ptr, cos_ptr, sin_ptr, ent_ptr, start_ptr, d, n_rows
     tl.debug_barrier()
     tl.store(out + d - 2 * RD2 + 2 * j, cast(a * cs - bb * sn, DT))
     tl.store(out + d - 2 * RD2 + 2 * j + 1, cast(a * sn + bb * cs, DT))
-    if QUANT:  # FP8-simulate the no-RoPE dims in blocks of 64
+    if QUANT == 2:  # the indexer's keys: Hadamard rotation + FP4 simulation of the whole row (d a power of 2)
+        tl.debug_barrier()
+        r = tl.load(out + i[None, :]).to(tl.float32)
+        r = round_to(hadamard_rows(r, 1, BLOCK, LOG2D) * HSCALE, DT)
+        tl.debug_barrier()
+        tl.store(out + i[None, :], cast(fp4_sim_rows(r, 1, BLOCK), DT))
+    if QUANT == 1:  # FP8-simulate the no-RoPE dims in blocks of 64
         tl.debug_barrier()
         nb = tl.arange(0, NB_P)
         k = tl.arange(0, 64)
@@ -143,7 +151,7 @@ def compressor(c: torch.Tensor, g: torch.Tensor, ape: torch.Tensor, norm_w: torc
     _pool_kernel[(B, triton.cdiv(d, blk))](c2, g2, ape.contiguous(), kv_state, score_state, e, start, C, d,
                                            R=ratio, OVERLAP=overlap, RP=triton.next_power_of_2(ratio), BLOCK=blk)
     rd2 = cos_tab.shape[-1]
-    if quant == "fp4":  # the indexer's keys: Hadamard + FP4 simulation by the reference finish
+    if quant == "fp4" and (d & (d - 1) or d < 32):  # rotate_fp4 needs a power-of-two width: the reference finish
         w = start // ratio
         emit = (start + 1) % ratio == 0
         slot = w.clamp_max(entries.shape[1] - 1)
@@ -154,6 +162,7 @@ def compressor(c: torch.Tensor, g: torch.Tensor, ape: torch.Tensor, norm_w: torc
     nope = d - 2 * rd2
     _finish_kernel[(B,)](e, norm_w, cos_tab.contiguous(), sin_tab.contiguous(), entries, start, d,
                          entries.shape[1], eps, cos_tab.shape[0], R=ratio, RD2=rd2, NOPE=nope,
-                         NB_P=triton.next_power_of_2(max(nope // 64, 1)), QUANT=quant == "fp8",
-                         BLOCK=triton.next_power_of_2(d))
+                         NB_P=triton.next_power_of_2(max(nope // 64, 1)), QUANT={None: 0, "fp8": 1, "fp4": 2}[quant],
+                         BLOCK=triton.next_power_of_2(d), LOG2D=triton.next_power_of_2(d).bit_length() - 1,
+                         HSCALE=hadamard_scale(triton.next_power_of_2(d)))
     return None

@@ -1,11 +1,16 @@
-"""Walsh-Hadamard transform over the last dim (the reference's `rotate_activation`, SPEC 2.0).
+"""Walsh-Hadamard transform over the last dim (the reference's `rotate_activation`, SPEC 2.0), and the op
+`rotate_fp4` built on it.
 
 Owns `hadamard_ref`: Sylvester-ordered H_n (H_2n = [[H_n, H_n], [H_n, -H_n]]) applied with
 log2(n) fp32 butterflies, then scaled by n^-0.5, so the transform is orthonormal and its own
-inverse. Used on the Lightning Indexer's q/k (n = 128) before FP4 simulation.
+inverse. Used on the Lightning Indexer's q/k (n = 128) before FP4 simulation:
+`rotate_fp4_ref(x)` = fp4_act_quant_sim_ref(hadamard_ref(x), 32) (reference numerics' indexer queries; the
+compressor applies the same to the keys it emits). Fast path: dsv4/ops/hadamard_triton.py (one launch).
 """
 
 import torch
+
+from dsv4.ops.fp4_quant import fp4_act_quant_sim_ref
 
 
 def hadamard_ref(x: torch.Tensor) -> torch.Tensor:
@@ -24,3 +29,17 @@ def hadamard_ref(x: torch.Tensor) -> torch.Tensor:
         y = torch.stack((a + b, a - b), dim=-2).flatten(-3)
         h *= 2
     return (y * n**-0.5).to(x.dtype)
+
+
+def rotate_fp4_ref(x: torch.Tensor) -> torch.Tensor:
+    """x [..., n] -> the FP4 simulation (1 x 32 blocks) of its Hadamard rotation, same shape and dtype."""
+    return fp4_act_quant_sim_ref(hadamard_ref(x), 32)
+
+
+def register_ops(register) -> None:
+    try:
+        from dsv4.ops import hadamard_triton as fast
+    except ImportError:  # no Triton here: the reference runs
+        fast = None
+    register("rotate_fp4", rotate_fp4_ref, getattr(fast, "rotate_fp4", None), interpretable=True,
+             doc="Hadamard rotation + FP4 simulation (the indexer's queries under reference numerics)")

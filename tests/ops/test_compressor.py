@@ -15,6 +15,10 @@ CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 
 
+# interpreted on CPU (CI); on a GPU machine compiled, and selected by `-m gpu`
+both_tiers = pytest.mark.gpu if torch.cuda.is_available() else (lambda f: f)
+
+
 def _fast():
     try:
         from dsv4.ops import compressor_triton
@@ -34,6 +38,7 @@ def _assert_entries(a, b, quant):
     assert frac <= 0.01, f"{frac:.4f} of the entry elements differ by more than a bf16 rounding"
 
 
+@both_tiers
 @pytest.mark.parametrize("ratio,overlap,d,quant,dtype", [
     (4, True, 128, "fp8", torch.bfloat16),
     (8, False, 128, "fp8", torch.bfloat16),

@@ -1,0 +1,94 @@
+"""Triton fast path of `rotate_fp4` (dsv4/ops/hadamard.py): the Lightning Indexer's Hadamard rotation and FP4
+simulation in one launch, bit for bit `rotate_fp4_ref` (the reference runs ~60 small torch kernels).
+
+The jit helpers are shared with the compressor's decode finish (dsv4/ops/compressor_triton.py), which rotates
+and FP4-simulates the indexer keys it emits:
+- `hadamard_rows(y, R, N)`: [R, N] fp32 -> y @ H_N (Sylvester order, unscaled) by the reference's log2(N)
+  butterfly stages, each (a, b) -> (a + b, a - b) over the pairs (j, j + h) of every 2h-chunk, in the same
+  order: the same fp32 sums, so the same bits;
+- `fp4_sim_rows(x, R, N)`: FP4 e2m1 simulation in 1 x 32 blocks as fp4_act_quant_sim_ref (amax floored at
+  6 * 2^-126, power-of-two scale 2^ceil(log2(amax * fp32(1/6))) read off the exponent bits, RNE onto the
+  e2m1 grid with the sign bit kept, times the scale), in fp32.
+Between the two the rotation is scaled by fp32(N^-0.5) and rounded to the input dtype, as hadamard_ref
+returns it. No host sync; graph safe.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4.ops.fp4_quant import FP4_AMAX_FLOOR, FP4_MAX_INV
+from dsv4.ops.triton_util import cast, round_to
+
+_FP4_FLOOR = tl.constexpr(FP4_AMAX_FLOOR)
+_FP4_INV6 = tl.constexpr(FP4_MAX_INV)
+
+
+@triton.jit
+def hadamard_rows(y, R: tl.constexpr, N: tl.constexpr, LOG2N: tl.constexpr):
+    for st in tl.static_range(LOG2N):  # h = 2^st
+        y4 = tl.permute(tl.reshape(y, [R, N // (2 << st), 2, 1 << st]), (0, 1, 3, 2))  # [R, chunks, h, pair]
+        a, b = tl.split(y4)
+        y = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), [R, N])
+    return y
+
+
+@triton.jit
+def fp4_sim_rows(x, R: tl.constexpr, N: tl.constexpr):
+    xb = tl.reshape(x, [R, N // 32, 32])
+    amax = tl.maximum(tl.max(tl.abs(xb), axis=2), _FP4_FLOOR) * _FP4_INV6
+    bits = amax.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)  # s = 2^(e - 127) >= amax / 6
+    s = (e << 23).to(tl.float32, bitcast=True)[:, :, None]
+    inv = ((254 - e) << 23).to(tl.float32, bitcast=True)[:, :, None]  # 1 / s, exact (x * inv == x / s)
+    v = tl.minimum(tl.maximum(xb * inv, -6.0), 6.0)
+    a = tl.abs(v)
+    # RNE onto {0, .5, 1, 1.5, 2, 3, 4, 6}: ties go to the even code (up at .75, 1.75, 3.5; down at .25, 1.25,
+    # 2.5, 5), as e2m1_encode_ref counts its midpoints
+    m = tl.where(a > 0.25, 0.5, 0.0)
+    m = tl.where(a >= 0.75, 1.0, m)
+    m = tl.where(a > 1.25, 1.5, m)
+    m = tl.where(a >= 1.75, 2.0, m)
+    m = tl.where(a > 2.5, 3.0, m)
+    m = tl.where(a >= 3.5, 4.0, m)
+    m = tl.where(a > 5.0, 6.0, m)
+    # the sign bit of v put back on m * s (>= 0), so -0.1 -> -0.0 as the reference; not `-m`: Triton negates
+    # as 0 - m, which gives +0.0
+    sign = v.to(tl.int32, bitcast=True) & -2147483648
+    return tl.reshape(((m * s).to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True), [R, N])
+
+
+@triton.jit
+def _rotate_fp4_kernel(x_ptr, o_ptr, rows, scale, R: tl.constexpr, N: tl.constexpr, LOG2N: tl.constexpr):
+    DT: tl.constexpr = o_ptr.dtype.element_ty
+    r = tl.program_id(0) * R + tl.arange(0, R)[:, None]
+    off = r.to(tl.int64) * N + tl.arange(0, N)[None, :]
+    ok = r < rows
+    y = tl.load(x_ptr + off, mask=ok, other=0.0).to(tl.float32)
+    y = round_to(hadamard_rows(y, R, N, LOG2N) * scale, DT)  # hadamard_ref's result, in x's dtype
+    tl.store(o_ptr + off, cast(fp4_sim_rows(y, R, N), DT), mask=ok)
+
+
+def hadamard_scale(n: int) -> float:
+    """fp32(n^-0.5): the factor hadamard_ref multiplies by (a Python float, rounded to fp32 by torch)."""
+    return torch.tensor(n ** -0.5, dtype=torch.float32).item()
+
+
+def rotate_fp4(x: torch.Tensor) -> torch.Tensor:
+    """x [..., n] (n a power of two, 32..1024; bf16/fp16/fp32) -> fp4_act_quant_sim_ref(hadamard_ref(x), 32)."""
+    n = x.shape[-1] if x.dim() else 0
+    if n < 32 or n > 1024 or n & (n - 1):
+        raise ValueError(f"rotate_fp4: last dim must be a power of two in [32, 1024], got shape {tuple(x.shape)}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"rotate_fp4: dtype {x.dtype} not supported")
+    xc = x.contiguous()
+    out = torch.empty_like(xc)
+    rows = xc.numel() // n
+    if rows == 0:
+        return out
+    R = max(1, min(16, 4096 // n))
+    _rotate_fp4_kernel[(triton.cdiv(rows, R),)](xc, out, rows, hadamard_scale(n), R=R, N=n,
+                                                  LOG2N=n.bit_length() - 1, num_warps=4)
+    return out
