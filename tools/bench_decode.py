@@ -111,57 +111,61 @@ CATEGORY = {
     "router": "moe", "moe_experts": "moe",
     "sparse_attn": "attention", "indexer_scores": "attention", "topk_select": "attention",
     "compressor": "attention", "q_norm_rope": "attention", "kv_norm_rope": "attention", "rope": "attention",
+    "rotate_fp4": "attention",
     "mhc_pre": "mhc+norm", "mhc_post": "mhc+norm", "mhc_head": "mhc+norm", "rmsnorm": "mhc+norm",
 }
 PARTS = ("linear", "moe", "attention", "mhc+norm", "other")
 
 
 def profile_layer(run, device) -> dict:
-    """Kernels launched by one eager decode step of a layer (the same kernels its graph replays) and their
-    GPU time split by op category, from the profiler: every op call is wrapped in a named range by the
-    ops hook; a kernel belongs to the innermost range it was launched in ("other": outside any op)."""
+    """One decode step of a layer, eager (the kernels its graph replays): the kernels it launches (profiler)
+    and its GPU time split by op category. For the split the whole step is queued behind a ~100 ms GPU sleep
+    with a CUDA event pair around every op call (the ops hook), so the GPU then runs it back to back as a graph
+    replay does and each pair times that op's kernels; "other" is the rest of the step (torch glue between
+    ops, and the gaps). Per op name too (`ops_ms`)."""
     import torch
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import ProfilerActivity, profile
 
     from dsv4 import ops
 
-    def hook(op, args, kwargs):
-        with record_function(f"op:{op.name}"):
-            return op.impl(*args, **kwargs)
-
     run()  # warm
     torch.cuda.synchronize(device)
-    ops.set_hook(hook)
-    try:
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize(device)
+    kernels = sum(1 for e in prof.events() if e.device_type.name == "CUDA" and "memcpy" not in e.name.lower()
+                  and "memset" not in e.name.lower())
+
+    recs = []
+
+    def hook(op, args, kwargs):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        out = op.impl(*args, **kwargs)
+        b.record()
+        recs.append((op.name, a, b))
+        return out
+
+    with torch.cuda.device(device):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        ops.set_hook(hook)
+        try:
+            torch.cuda._sleep(200_000_000)  # ~100 ms of GPU clock: the step is queued before the GPU reaches it
+            start.record()
             run()
-            torch.cuda.synchronize(device)
-    finally:
-        ops.set_hook(None)
-    from torch.autograd import DeviceType
-
-    def category(node) -> str:
-        while node is not None:
-            if node.name.startswith("op:"):
-                return CATEGORY.get(node.name[3:], "other")
-            node = node.cpu_parent
-        return "other"
-
+            end.record()
+        finally:
+            ops.set_hook(None)
+        torch.cuda.synchronize(device)
+        step = start.elapsed_time(end)
+    per_op: dict[str, float] = {}
+    for name, a, b in recs:
+        per_op[name] = per_op.get(name, 0.0) + a.elapsed_time(b)
     split = dict.fromkeys(PARTS, 0.0)
-    kernels = 0
-    events = prof.events()
-    device_events = [e for e in events if e.device_type == DeviceType.CUDA and "memcpy" not in e.name.lower()
-                     and "memset" not in e.name.lower()]
-    if device_events:  # every kernel (aten's and Triton's) is a device event linked to its launching range
-        for ev in device_events:
-            split[category(ev.cpu_parent)] += ev.device_time_total / 1e3  # us -> ms
-            kernels += 1
-    else:  # older profilers: kernels hang off the CPU op that launched them
-        for ev in events:
-            for k in getattr(ev, "kernels", []) or []:
-                split[category(ev)] += k.duration / 1e3
-                kernels += 1
-    return {"kernels": kernels, "split_ms": split}
+    for name, ms in per_op.items():
+        split[CATEGORY.get(name, "other")] += ms
+    split["other"] += max(step - sum(per_op.values()), 0.0)
+    return {"kernels": kernels, "step_ms": step, "split_ms": split, "ops_ms": per_op}
 
 
 def main(argv=None) -> int:
@@ -176,8 +180,9 @@ def main(argv=None) -> int:
     p.add_argument("--numerics", choices=("reference", "exact"), default="reference",
                    help="reference: DeepSeek's quantization simulation (default); exact: plain float math")
     p.add_argument("--profile", action="store_true",
-                   help="also count the kernels of one layer step per layer kind and split its GPU time into "
-                        "linear / moe / attention / mhc+norm / other (profiler, eager step)")
+                   help="also count the kernels of one layer step per layer kind (profiler) and split its GPU time "
+                        "into linear / moe / attention / mhc+norm / other and per op (the eager step queued behind "
+                        "a GPU sleep, CUDA events around every op)")
     p.add_argument("--kernels", default=None, metavar="SPEC",
                    help="op backends: ref, fast, or e.g. fast,sparse_attn=ref (default: fast on CUDA)")
     p.add_argument("--json", metavar="F", help="write the results as JSON to F (default: none)")
@@ -298,8 +303,9 @@ def main(argv=None) -> int:
     for r in results:
         for kind, pr in r.get("profile", {}).items():
             parts = ", ".join(f"{k} {v:.3f}" for k, v in pr["split_ms"].items())
-            print(f"profile ctx {r['context']} {kind}: {pr['kernels']} kernels per layer step (eager step, device "
-                  f"events); kernel time by part, ms: {parts}")
+            top = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in sorted(pr["ops_ms"].items(), key=lambda kv: -kv[1])[:8])
+            print(f"profile ctx {r['context']} {kind}: {pr['kernels']} kernels per layer step; queued step "
+                  f"{pr['step_ms']:.3f} ms by part, ms: {parts}; top ops, us: {top}")
     out = {"device": dev_name, "devices": devices, "torch": torch.__version__, "python": platform.python_version(),
            "layers": args.layers, "layer_kinds": [s.attn for s in cfg.layers], "numerics": args.numerics,
            "copy_GBps": bw, "floor_GB_per_token": FLOOR_GB_PER_TOKEN, "floor_ms_at_copy_bw": floor_ms,

@@ -119,6 +119,7 @@ class Transformer(nn.Module):
         self.max_pos = max_pos or cfg.max_position_embeddings
         self._ropes: dict = {}
         self._head: tuple | None = None  # (key, PreparedLinear) of the LM head
+        self._step_plans: dict = {}  # device -> (pos buffer address, the decode step's StepPlan)
 
     # ---- official names: a routed expert's linear is a view into its layer's stack ----
     def get_submodule(self, target: str):
@@ -174,6 +175,7 @@ class Transformer(nn.Module):
             self._buffers[name] = torch.empty_like(b, device=devices[-1]) if b.is_meta else b.to(devices[-1])
         self._ropes.clear()
         self._head = None
+        self._step_plans.clear()
         return self
 
     def logits(self, x: torch.Tensor, fn, base, scale, norm: RMSNorm) -> torch.Tensor:
@@ -211,10 +213,23 @@ class Transformer(nn.Module):
         return h.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()
 
     def layer_step(self, i: int, x: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, st: BlockState) -> torch.Tensor:
-        """Layer i on one token at the device position pos ([1] int64): x [B,1,hc,D] -> [B,1,hc,D]."""
+        """Layer i on one token at the device position pos ([1] int64): x [B,1,hc,D] -> [B,1,hc,D].
+
+        The step's plan (positions, window index list, ring slot, the RoPE rows of every table kind) is the
+        same for every layer: the first layer on a device builds it (in its captured graph), the later layers
+        on that device read it. So the layers of a device run in order within a step (as the graph runner
+        and the eager loop do); a layer run on its own with no plan for its pos buffer builds its own."""
         layer = self.layers[i]
-        plan = StepPlan.build(pos, 1, self.cfg.sliding_window, None)
-        return layer(x, ids, plan, st, self.rope(layer.spec.rope, x.device))
+        dev = x.device
+        first = i == 0 or self.layers[i - 1].attn_norm.weight.device != dev
+        cached = self._step_plans.get(dev)
+        if first or cached is None or cached[0] != pos.data_ptr():
+            plan = StepPlan.build(pos, 1, self.cfg.sliding_window, None)
+            for kind in dict.fromkeys(lay.spec.rope for lay in self.layers):
+                plan.rope(self.rope(kind, dev))  # every kind now: a later layer's graph must not compute one
+            self._step_plans[dev] = (pos.data_ptr(), plan)
+        plan = self._step_plans[dev][1]
+        return layer(x, ids, plan, st, self.rope(layer.spec.rope, dev))
 
     def head_step(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B,1,hc,D] -> logits [B,1,vocab] fp32."""
