@@ -218,6 +218,12 @@ def time_us(fns, calls: int, reps: int) -> tuple[float, bool]:
     return statistics.median(times), graph is not None
 
 
+def _best_and_chosen(configs: list[dict], chosen) -> tuple[dict, dict | None]:
+    """Sorts a sweep's {"cfg", "us", ...} rows by time: (the fastest, the row of the chosen config or None)."""
+    configs.sort(key=lambda r: r["us"])
+    return configs[0], next((r for r in configs if chosen is not None and tuple(r["cfg"]) == tuple(chosen)), None)
+
+
 def sweep_gemv(args, cases, ms, bw, dev) -> int:
     """Every configuration of the CUDA decode GEMV per FP8 / bf16 linear case and M <= 8: us and % copy."""
     import torch
@@ -246,9 +252,7 @@ def sweep_gemv(args, cases, ms, bw, dev) -> int:
                 us, _ = time_us([lambda a=a, o=o, c=cfg: linear_cuda.gemv(a[0], a[1], o, c)
                                  for a, o in zip(sets, outs)], args.calls, args.reps)
                 line["configs"].append({"cfg": list(cfg), "us": us, "pct_copy_bw": 100 * moved / (us * 1e-6) / 1e9 / bw})
-            line["configs"].sort(key=lambda r: r["us"])
-            best = line["configs"][0]
-            mine = next((r for r in line["configs"] if tuple(r["cfg"]) == chosen), None)
+            best, mine = _best_and_chosen(line["configs"], chosen)
             mine_s = f"{mine['us']:6.1f} us ({mine['pct_copy_bw']:.0f}%)" if mine else "(Triton)"
             print(f"{name:16s} M={M} {moved / 1e6:7.2f} MB  triton {tri:6.1f} us  chosen {chosen} {mine_s}  "
                   f"best {tuple(best['cfg'])} {best['us']:6.1f} us ({best['pct_copy_bw']:.0f}%)")
@@ -287,9 +291,7 @@ def sweep_mm(args, cases, ms, bw, dev) -> int:
                     print(f"    {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
                     continue
                 line["configs"].append({"cfg": list(cfg), "us": us, "pct_copy_bw": 100 * moved / (us * 1e-6) / 1e9 / bw})
-            line["configs"].sort(key=lambda r: r["us"])
-            best = line["configs"][0]
-            mine = next((r for r in line["configs"] if tuple(r["cfg"]) == chosen), None)
+            best, mine = _best_and_chosen(line["configs"], chosen)
             mine_s = f"{mine['us']:6.1f} us ({mine['pct_copy_bw']:.0f}%)" if mine else "(not swept)"
             print(f"{name:16s} M={M} {moved / 1e6:7.2f} MB  chosen {chosen[1:]} {mine_s}  "
                   f"best {tuple(best['cfg'][1:])} {best['us']:6.1f} us ({best['pct_copy_bw']:.0f}%)")
