@@ -91,18 +91,27 @@ def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor, name: str) -> None:
                              f"{a[coord].item()} vs reference {b[coord].item()}")
 
 
-def graph_replay(fn):
-    """Warm `fn` up on a side stream, capture one call in a CUDA graph, replay it; returns (eager result of a
-    call made before the capture, the graph's output after replay) for a bitwise comparison."""
-    want = fn()
+def capture_graph(fn, calls: int = 1):
+    """Warm `fn` up once on a side stream, then capture `calls` calls of it in a CUDA graph: (graph, the
+    output of the last captured call). Shared by the graph tests and tools/bench_ops.py."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         fn()
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
+    out = None
     with torch.cuda.graph(graph):
-        out = fn()
+        for _ in range(calls):
+            out = fn()
+    return graph, out
+
+
+def graph_replay(fn):
+    """Warm `fn` up on a side stream, capture one call in a CUDA graph, replay it; returns (eager result of a
+    call made before the capture, the graph's output after replay) for a bitwise comparison."""
+    want = fn()
+    graph, out = capture_graph(fn)
     graph.replay()
     torch.cuda.synchronize()
     return want, out

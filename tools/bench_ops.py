@@ -192,17 +192,10 @@ def time_us(fns, calls: int, reps: int) -> tuple[float, bool]:
     for f in fns:
         f()
     torch.cuda.synchronize()
-    graph = None
+    from dsv4.testing import capture_graph
+
     try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
+        graph, _ = capture_graph(fn, calls)
     except Exception:  # an op that cannot be captured (e.g. a host sync): time it eagerly
         graph = None
         torch.cuda.synchronize()
