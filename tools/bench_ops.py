@@ -146,7 +146,13 @@ def moe_cases(dev, randn):
         x = randn(M, D, dtype=torch.bfloat16)
         ids = torch.zeros(M, dtype=torch.int64, device=dev)
         return (x, gate, bias, None, ids, "sqrtsoftplus", k, True, 1.5), _nbytes(gate, bias, x)
-    return {"moe_experts": ("moe_experts", make_experts), "router": ("router", make_router)}
+    cases = {"moe_experts": ("moe_experts", make_experts), "router": ("router", make_router)}
+    try:  # the Triton experts beside the dispatching fast op (CUDA for one MXFP4 token): A/B in the same run
+        from dsv4.ops import moe_triton
+        cases["moe_experts.triton"] = ("moe_experts", make_experts, moe_triton.moe_experts)
+    except ImportError:
+        pass
+    return cases
 
 
 def copy_bandwidth(dev) -> float:
@@ -228,7 +234,7 @@ def sweep_gemv(args, cases, ms, bw, dev) -> int:
         return 2
     fmts = {c[0]: c[1] for c in LINEARS}
     results = []
-    for name, (op_name, make) in cases.items():
+    for name, (op_name, make, *_) in cases.items():
         if op_name != "linear" or fmts.get(name) not in ("fp8", "dense"):
             continue
         for M in (m for m in ms if m <= linear_cuda.MAX_M):
@@ -266,7 +272,7 @@ def sweep_mm(args, cases, ms, bw, dev) -> int:
     from dsv4.ops import linear_triton as lt
 
     results = []
-    for name, (op_name, make) in cases.items():
+    for name, (op_name, make, *_) in cases.items():
         if op_name != "linear":
             continue
         for M in (m for m in ms if m > 16):
@@ -303,7 +309,7 @@ def main(argv=None) -> int:
     import torch
 
     if args.list:
-        names = [c[0] for c in LINEARS] + ["wo_a", "head", "moe_experts", "router"]
+        names = [c[0] for c in LINEARS] + ["wo_a", "head", "moe_experts", "moe_experts.triton", "router"]
         print("\n".join(names))
         return 0
     if not torch.cuda.is_available():
@@ -334,14 +340,15 @@ def main(argv=None) -> int:
     if args.sweep_mm:
         return sweep_mm(args, cases, ms, bw, dev)
     rows = []
-    for name, (op_name, make) in cases.items():
+    for name, (op_name, make, *override) in cases.items():
         op = ops.OPS[op_name]
         fast_ok, why = op.fast_available("cuda")
+        fast_fn = override[0] if override else op.fast
         for M in ms:
             op_args, moved = make(M)
             sets = [op_args] + [make(M)[0] for _ in range(copies_needed(moved, dev) - 1)]
             row = {"case": name, "op": op_name, "M": M, "bytes": moved, "copies": len(sets)}
-            for backend, fn in (("ref", op.ref), ("fast", op.fast if fast_ok else None)):
+            for backend, fn in (("ref", op.ref), ("fast", fast_fn if fast_ok else None)):
                 if fn is None or (backend == "ref" and args.no_ref):
                     row[f"{backend}_us"] = None
                     continue

@@ -84,9 +84,26 @@ def load_triton_module():
     return moe_triton
 
 
+def make_fast_moe_experts(moe_triton):
+    """The fast `moe_experts`: the CUDA decode kernels (dsv4/ops/moe_cuda.py) for the calls they take (one token,
+    MXFP4 routed experts, FP8 shared expert), the Triton kernels for everything else."""
+    if moe_triton is None:
+        return None
+    from dsv4.ops import moe_cuda
+
+    def moe_experts_fast(x, weights, idx, w1, w2, w3, shared, limit, act_quant):
+        if moe_cuda.applies(x, weights, idx, w1, w2, w3, shared, act_quant):
+            return moe_cuda.moe_decode(x, weights, idx, w1, w2, w3, shared, limit)
+        return moe_triton.moe_experts(x, weights, idx, w1, w2, w3, shared, limit, act_quant)
+
+    moe_experts_fast.__doc__ = moe_triton.moe_experts.__doc__
+    return moe_experts_fast
+
+
 def register_ops(register) -> None:
     moe_triton = load_triton_module()
     register("router", router_ref, getattr(moe_triton, "router", None), interpretable=True,
              doc="gate scores, hash or bias-corrected top-k, normalised weights")
-    register("moe_experts", moe_experts_ref, getattr(moe_triton, "moe_experts", None), interpretable=True,
-             doc="routed + shared clamped-SwiGLU experts, weighted sum")
+    register("moe_experts", moe_experts_ref, make_fast_moe_experts(moe_triton), interpretable=True,
+             doc="routed + shared clamped-SwiGLU experts, weighted sum",
+             cuda="decode experts, one token: MXFP4 routed + FP8 shared")

@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "gemv.h"
+#include "moe.h"
 
 namespace {
 
@@ -59,9 +60,89 @@ int64_t gemv_smem(bool fp8, bool x_split, int64_t M, int64_t ks, int64_t wr, int
                                static_cast<int>(nstep), static_cast<int>(nchunk));
 }
 
+// x [1, D] bf16, wts [1, k] fp32, idx [1, k] int64; routed MXFP4 stacks w1 / w3 [E, I, D/2] + [E, I, D/32] bytes, w2
+// [E, D, I/2] + [E, D, I/32]; the FP8 shared expert (v1, v1s, v3, v3s, v2, v2s) or none; h [k + 1, I] bf16 scratch;
+// y [1, D] bf16.
+void moe_decode(const at::Tensor& x, const at::Tensor& wts, const at::Tensor& idx, const at::Tensor& w1,
+                const at::Tensor& s1, const at::Tensor& w3, const at::Tensor& s3, const at::Tensor& w2,
+                const at::Tensor& s2, const c10::optional<at::Tensor>& v1, const c10::optional<at::Tensor>& v1s,
+                const c10::optional<at::Tensor>& v3, const c10::optional<at::Tensor>& v3s,
+                const c10::optional<at::Tensor>& v2, const c10::optional<at::Tensor>& v2s, at::Tensor& h, at::Tensor& y,
+                double limit, bool pdl) {
+  TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) == 1 && x.is_contiguous(),
+              "moe_decode: x must be one contiguous bf16 row [1, D]");
+  const int64_t D = x.size(1), k = idx.size(1), E = w1.size(0), I = w1.size(1);
+  TORCH_CHECK(D % 2048 == 0 && D <= 8192 && I % 512 == 0 && I <= 2048, "moe_decode: D (", D, ") must be a multiple of "
+              "2048 up to 8192 and I (", I, ") a multiple of 512 up to 2048");
+  TORCH_CHECK(k >= 1 && k <= 6 && idx.dim() == 2 && idx.size(0) == 1 && idx.scalar_type() == at::kLong &&
+                  idx.is_contiguous(), "moe_decode: idx must be contiguous int64 [1, k], 1 <= k <= 6");
+  TORCH_CHECK(wts.scalar_type() == at::kFloat && wts.is_contiguous() && wts.numel() == k,
+              "moe_decode: wts must be contiguous fp32 [1, k]");
+  auto fp4 = [&](const at::Tensor& w, const at::Tensor& s, int64_t n, int64_t kk, const char* name) {
+    TORCH_CHECK(w.is_cuda() && w.scalar_type() == at::kByte && w.is_contiguous() && w.dim() == 3 && w.size(0) == E &&
+                    w.size(1) == n && w.size(2) == kk / 2, "moe_decode: ", name, " must be contiguous uint8 [", E,
+                ", ", n, ", ", kk / 2, "]");
+    TORCH_CHECK(s.scalar_type() == at::kByte && s.is_contiguous() && s.dim() == 3 && s.size(0) == E &&
+                    s.size(1) == n && s.size(2) == kk / 32, "moe_decode: ", name, " scales must be contiguous uint8 [",
+                E, ", ", n, ", ", kk / 32, "]");
+  };
+  fp4(w1, s1, I, D, "w1");
+  fp4(w3, s3, I, D, "w3");
+  fp4(w2, s2, D, I, "w2");
+  const bool has_shared = v1.has_value();
+  auto fp8 = [&](const c10::optional<at::Tensor>& w, const c10::optional<at::Tensor>& s, int64_t n, int64_t kk,
+                 const char* name) {
+    TORCH_CHECK(w.has_value() && s.has_value(), "moe_decode: shared ", name, " missing");
+    TORCH_CHECK(w->scalar_type() == at::kFloat8_e4m3fn && w->is_contiguous() && w->dim() == 2 && w->size(0) == n &&
+                    w->size(1) == kk, "moe_decode: shared ", name, " must be contiguous e4m3 [", n, ", ", kk, "]");
+    TORCH_CHECK(s->scalar_type() == at::kFloat && s->is_contiguous() && s->dim() == 2 && s->size(0) == n / 128 &&
+                    s->size(1) == kk / 128, "moe_decode: shared ", name, " scales must be fp32 [", n / 128, ", ",
+                kk / 128, "]");
+  };
+  if (has_shared) {
+    fp8(v1, v1s, I, D, "w1");
+    fp8(v3, v3s, I, D, "w3");
+    fp8(v2, v2s, D, I, "w2");
+  }
+  TORCH_CHECK(h.scalar_type() == at::kBFloat16 && h.is_contiguous() && h.numel() == (k + 1) * I,
+              "moe_decode: h must be contiguous bf16 [k + 1, I]");
+  TORCH_CHECK(y.scalar_type() == at::kBFloat16 && y.is_contiguous() && y.numel() == D, "moe_decode: y must be bf16 [1, D]");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(h.data_ptr()) % 16 == 0,
+              "moe_decode: x and h must be 16-byte aligned");
+  dsv4::MoeArgs a{};
+  a.x = reinterpret_cast<const __nv_bfloat16*>(x.data_ptr());
+  a.idx = idx.data_ptr<int64_t>();
+  a.wts = wts.data_ptr<float>();
+  a.w1 = w1.data_ptr<uint8_t>();
+  a.s1 = s1.data_ptr<uint8_t>();
+  a.w3 = w3.data_ptr<uint8_t>();
+  a.s3 = s3.data_ptr<uint8_t>();
+  a.w2 = w2.data_ptr<uint8_t>();
+  a.s2 = s2.data_ptr<uint8_t>();
+  if (has_shared) {
+    a.v1 = static_cast<const uint8_t*>(v1->data_ptr());
+    a.v1s = v1s->data_ptr<float>();
+    a.v3 = static_cast<const uint8_t*>(v3->data_ptr());
+    a.v3s = v3s->data_ptr<float>();
+    a.v2 = static_cast<const uint8_t*>(v2->data_ptr());
+    a.v2s = v2s->data_ptr<float>();
+  }
+  a.h = reinterpret_cast<__nv_bfloat16*>(h.data_ptr());
+  a.y = reinterpret_cast<__nv_bfloat16*>(y.data_ptr());
+  a.D = static_cast<int>(D);
+  a.I = static_cast<int>(I);
+  a.k = static_cast<int>(k);
+  a.has_shared = has_shared ? 1 : 0;
+  a.limit = static_cast<float>(limit);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaError_t e = dsv4::moe_decode_launch(a, pdl, c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(e == cudaSuccess, "moe_decode launch failed: ", cudaGetErrorString(e));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv, "skinny GEMV (1-8 tokens) on fp8 block-scaled or bf16 weights (gemv.cu)");
   m.def("gemv_smem", &gemv_smem, "dynamic shared memory bytes of one gemv CTA");
+  m.def("moe_decode", &moe_decode, "decode MoE experts of one token: MXFP4 routed + FP8 shared (moe.cu)");
 }

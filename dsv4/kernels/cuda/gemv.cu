@@ -15,12 +15,9 @@
 // Programmatic dependent launch: the weight loads (never written by an earlier kernel) are issued before
 // griddepcontrol.wait, as cp.async into shared memory; x is read after it. The kernel triggers its dependents at
 // entry (they start once every CTA of this grid is resident, and wait for its completion before reading).
-#include <cuda_runtime.h>
-#include <cuda_bf16.h>
-#include <cuda_fp8.h>
 #include <cooperative_groups.h>
-#include <cstdint>
 
+#include "common.h"
 #include "gemv.h"
 
 namespace cg = cooperative_groups;
@@ -29,55 +26,12 @@ namespace dsv4 {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr float kFp8Max = 448.0f;
-constexpr float kAmaxFloor = 1e-4f;
-
-__device__ __forceinline__ void griddep_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void griddep_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" :::);
-#endif
-}
-
-// 16 bytes global -> shared, asynchronously (zero-filled when !ok). Weights travel this way so that their loads are
-// issued before griddepcontrol.wait: ptxas sinks plain register loads below the wait, cp.async it keeps in place.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool ok) {
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(ok ? 16 : 0) : "memory");
-}
-
-
-__device__ __forceinline__ void mma_e4m3(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// act_quant's power-of-two scale: s = 2^ceil(log2(max(amax, 1e-4) * fp32(1/448))) from the exponent bits, and 1/s.
-__device__ __forceinline__ void ue8m0_scale(float amax, float& s, float& inv) {
-  const float y = fmaxf(amax, kAmaxFloor) * (1.0f / kFp8Max);
-  const uint32_t bits = __float_as_uint(y);
-  const int e = static_cast<int>((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0 ? 1 : 0);
-  s = __uint_as_float(static_cast<uint32_t>(e) << 23);
-  inv = __uint_as_float(static_cast<uint32_t>(254 - e) << 23);
-}
+using dev::cp_async16;
+using dev::griddep_launch_dependents;
+using dev::griddep_wait;
+using dev::mma_bf16;
+using dev::mma_e4m3;
+using dev::ue8m0_scale;
 
 __device__ __forceinline__ float load_x(const GemvArgs& a, int m, int c) {
   const long long off = static_cast<long long>(m) * a.sx + c;
@@ -183,10 +137,7 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvArgs a) {
       ue8m0_scale(amax, s, inv);
       uint32_t packed = 0;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float q = fminf(fmaxf(v[i] * inv, -kFp8Max), kFp8Max);
-        packed |= static_cast<uint32_t>(__nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3)) << (8 * i);
-      }
+      for (int i = 0; i < 4; ++i) packed |= dev::e4m3_code(v[i], inv) << (8 * i);
       *reinterpret_cast<uint32_t*>(xq + m * pitch + blk * 128 + lane * 4) = packed;
       if (lane == 0) sa[m * nblk + blk] = s;
     }

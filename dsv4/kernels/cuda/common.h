@@ -1,0 +1,75 @@
+// Device helpers shared by dsv4's CUDA kernels (gemv.cu, moe.cu): programmatic dependent launch, cp.async, the
+// mma.sync wrappers and DeepSeek's act_quant scale.
+#pragma once
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cstdint>
+
+namespace dsv4 {
+namespace dev {
+
+constexpr float kFp8Max = 448.0f;
+constexpr float kAmaxFloor = 1e-4f;
+
+__device__ __forceinline__ void griddep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void griddep_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
+// 16 bytes global -> shared, asynchronously (zero-filled when !ok). Weights travel this way so that their loads are
+// issued before griddepcontrol.wait: ptxas sinks plain register loads below the wait, cp.async it keeps in place.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool ok) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(ok ? 16 : 0) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void mma_e4m3(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// act_quant's power-of-two scale: s = 2^ceil(log2(max(amax, 1e-4) * fp32(1/448))) from the exponent bits, and 1/s.
+__device__ __forceinline__ void ue8m0_scale(float amax, float& s, float& inv) {
+  const float y = fmaxf(amax, kAmaxFloor) * (1.0f / kFp8Max);
+  const uint32_t bits = __float_as_uint(y);
+  const int e = static_cast<int>((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0 ? 1 : 0);
+  s = __uint_as_float(static_cast<uint32_t>(e) << 23);
+  inv = __uint_as_float(static_cast<uint32_t>(254 - e) << 23);
+}
+
+// v / s clamped to +-448 and rounded to e4m3 (RNE): act_quant's code for one element.
+__device__ __forceinline__ uint32_t e4m3_code(float v, float inv) {
+  const float q = fminf(fmaxf(v * inv, -kFp8Max), kFp8Max);
+  return static_cast<uint32_t>(__nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3));
+}
+
+}  // namespace dev
+}  // namespace dsv4

@@ -1,0 +1,392 @@
+// Decode MoE experts for one token, on the tensor cores: the k routed MXFP4 experts and the FP8 shared expert in two
+// launches (SPEC §2.7, moe_experts_ref's numerics up to fp32 summation order and the FP8 MMA's accumulation).
+//
+// moe_up_kernel: one CTA per 16 rows of w1 and w3 of one expert (the shared expert's CTAs first); warp (mat, kq)
+//   streams 16 rows of w1 (mat 0) or w3 (mat 1) over a quarter of K. Epilogue: gate / up summed over the quarters in
+//   order, rounded to bf16, clamped, silu(gate) * up in fp32, times the routing weight (routed), rounded -> h.
+// moe_down_kernel: one CTA per 16 output rows; warp j < k streams routed pair j's w2 rows over all of K, warps 6 and 7
+//   the shared expert's w2 rows over one half of K each. Epilogue: the pair outputs rounded to bf16 and summed in fp32
+//   in ascending (expert id, slot) order, then the shared expert's (its halves summed, rounded): fixed order, no
+//   atomics, the same bits on every run.
+//
+// Numerics. x (and h) are quantized in the kernel to e4m3 with a power-of-two scale per 128 (DeepSeek's act_quant).
+// An e2m1 nibble s.EE.m becomes the e4m3 byte s.00EE.m00, whose value is exactly e2m1 * 2^-6 (E = 0 lands on the e4m3
+// subnormal 2^-7), so one m16n8k32 e4m3 MMA multiplies 32 weights of one MXFP4 group exactly; its sum is promoted to
+// fp32 with the group's E8M0 scale times the x block scale times 2^6. FP8 weights: one MMA pair per 64 columns,
+// promoted per 128-column block with the 128x128 block scale (as gemv.cu).
+//
+// Layout trick for MXFP4: lane (g, t) copies 16 bytes (one 32-value group) of rows g and g+8; an MMA needs the same
+// group from all four lanes of a quad, so lane t reads word t of the group its quad's lane j copied (a 4x4 word
+// transpose through shared memory; slots rotated by g/2 so the reads hit 32 distinct banks). The 8 values of a word
+// feed k-slots 4t..4t+3 (even values) and 4t+16..4t+19 (odd), and x sits in shared memory permuted the same way
+// (per 8 values: evens, then odds). The checkpoint layout is read as is.
+//
+// Programmatic dependent launch: the shared expert's weights are issued before griddepcontrol.wait; the routed
+// experts' addresses come from the router's output, so their loads wait. Both kernels trigger their dependents at
+// entry.
+#include "common.h"
+#include "moe.h"
+
+namespace dsv4 {
+namespace {
+
+using dev::cp_async16;
+using dev::cp_async_commit;
+using dev::cp_async_wait;
+using dev::e4m3_code;
+using dev::mma_e4m3;
+using dev::ue8m0_scale;
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int NSTEP = 2;                        // 64-byte steps per ring chunk (fp8: one 128-column block)
+constexpr int NBUF = 3;                         // chunks in a warp's cp.async ring: two in flight, one multiplied
+constexpr int kRingU4 = NBUF * NSTEP * 2 * 32;  // 16-byte slots of one warp's ring
+constexpr int kMaxX = 2048;                     // e4m3 x bytes per warp (its K range)
+constexpr int kMaxSc = 1024;                    // E8M0 bytes per warp (16 rows x its groups)
+constexpr int kSmem = kWarps * (kRingU4 * 16 + kMaxX + 16 * 4 + kMaxSc + 16 * 4);
+
+// e2m1 nibbles -> e4m3 codes of e2m1 * 2^-6: the even (low) nibbles of the 4 bytes, and the odd (high) ones
+__device__ __forceinline__ uint32_t fp4_even(uint32_t w) { return ((w << 4) & 0x80808080u) | ((w << 2) & 0x1C1C1C1Cu); }
+__device__ __forceinline__ uint32_t fp4_odd(uint32_t w) { return (w & 0x80808080u) | ((w >> 2) & 0x1C1C1C1Cu); }
+
+// byte Q of four E8M0 scales -> 2^(b - 127) (b = 0: 2^-127, a subnormal; b = 255, NaN in E8M0, reads as inf: outside
+// any checkpoint's range), in two integer ops
+template <int Q>
+__device__ __forceinline__ float e8m0(uint32_t four) {
+  const uint32_t bits = (Q < 3 ? four << (23 - 8 * Q) : four >> 1) & 0x7F800000u;
+  return __uint_as_float(max(bits, 0x00400000u));
+}
+
+// d = A * B with a zero accumulator (no register moves to clear it)
+__device__ __forceinline__ void mma_e4m3_zero(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                              uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%10, %10, %10, %10};"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(0.0f));
+}
+
+__device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
+// one warp's work: 16 weight rows x a K range
+struct Job {
+  const uint8_t* w;         // byte (row 0, first column)
+  long long ld;             // bytes per weight row
+  const uint8_t* sc;        // fp4: E8M0 byte (row 0, first group); fp8: fp32 block scale (row block, first K block)
+  long long sc_ld;          // fp4: bytes per scale row
+  const __nv_bfloat16* x;   // x at the first column
+  int nsteps;               // 64-byte steps (fp4: 128 values, fp8: 64)
+};
+
+struct WarpSmem {
+  uint4* ring;
+  unsigned char* xq;  // e4m3 x of the K range (fp4: permuted per 8 values, evens then odds)
+  float* xs;          // x scales per 128 values
+  unsigned char* sc;  // fp4: E8M0 bytes [16 rows][groups]
+  float* red;         // [kWarps][16] the warps' row sums (token 0)
+};
+
+__device__ __forceinline__ WarpSmem carve(unsigned char* smem, int warp) {
+  WarpSmem s;
+  unsigned char* p = smem;
+  s.ring = reinterpret_cast<uint4*>(p) + warp * kRingU4;
+  p += kWarps * kRingU4 * 16;
+  s.xq = p + warp * kMaxX;
+  p += kWarps * kMaxX;
+  s.xs = reinterpret_cast<float*>(p) + warp * 16;
+  p += kWarps * 16 * 4;
+  s.sc = p + warp * kMaxSc;
+  p += kWarps * kMaxSc;
+  s.red = reinterpret_cast<float*>(p);
+  return s;
+}
+
+// chunk c of the job -> ring slot c % NBUF (one commit group per chunk, empty past the end)
+__device__ __forceinline__ void issue(const Job& j, const WarpSmem& s, int c, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  const int nchunk = (j.nsteps + NSTEP - 1) / NSTEP;
+  if (c < nchunk) {
+    const int slot = c % NBUF;
+    const int pos = g * 4 + ((t + (g >> 1)) & 3);
+#pragma unroll
+    for (int st = 0; st < NSTEP; ++st) {
+      const int step = c * NSTEP + st;
+      if (step < j.nsteps) {
+        const uint8_t* src = j.w + step * 64 + t * 16;
+        uint4* dst = s.ring + ((slot * NSTEP + st) * 2) * 32 + pos;
+        cp_async16(dst, src + g * j.ld, true);
+        cp_async16(dst + 32, src + (g + 8) * j.ld, true);
+      }
+    }
+  }
+  cp_async_commit();
+}
+
+// FP4 scale bytes (in the first chunk's commit group) and the first NBUF - 1 chunks
+template <bool FP4>
+__device__ __forceinline__ void prefetch(const Job& j, const WarpSmem& s, int lane) {
+  if constexpr (FP4) {
+    const int ng = j.nsteps * 4;  // groups of 32 in the K range (a multiple of 16)
+    const int per_row = ng / 16;
+    for (int i = lane; i < 16 * per_row; i += 32) {
+      const int r = i / per_row, c = i % per_row;
+      cp_async16(s.sc + r * ng + c * 16, j.sc + r * j.sc_ld + c * 16, true);
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < NBUF - 1; ++c) issue(j, s, c, lane);
+}
+
+// x of a warp's K range (<= 2048 values: 16 blocks of 128), 4 values per lane per block, every load issued at once
+// (one L2 round trip, not one per block)
+struct XRegs {
+  uint2 v[kMaxX / 128];
+};
+
+__device__ __forceinline__ void load_x(const Job& j, int nblk, int lane, XRegs& r) {
+#pragma unroll
+  for (int b = 0; b < kMaxX / 128; ++b) {
+    if (b < nblk) r.v[b] = *reinterpret_cast<const uint2*>(j.x + b * 128 + lane * 4);
+  }
+}
+
+// -> e4m3 codes + scales per 128 in the warp's shared memory (act_quant)
+template <bool FP4>
+__device__ __forceinline__ void quantize_x(const XRegs& r, int nblk, const WarpSmem& s, int lane) {
+#pragma unroll
+  for (int b = 0; b < kMaxX / 128; ++b) {
+    if (b >= nblk) break;
+    const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r.v[b].x));
+    const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r.v[b].y));
+    float amax = fmaxf(fmaxf(fabsf(lo.x), fabsf(lo.y)), fmaxf(fabsf(hi.x), fabsf(hi.y)));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    float sc, inv;
+    ue8m0_scale(amax, sc, inv);
+    const uint32_t q0 = e4m3_code(lo.x, inv), q1 = e4m3_code(lo.y, inv);
+    const uint32_t q2 = e4m3_code(hi.x, inv), q3 = e4m3_code(hi.y, inv);
+    if constexpr (FP4) {  // values 4L..4L+3 of the block: evens to slots (L&1)*2 + {0,1}, odds 4 + (L&1)*2 + {0,1}
+      unsigned char* p = s.xq + b * 128 + (lane >> 1) * 8 + (lane & 1) * 2;
+      *reinterpret_cast<uint16_t*>(p) = static_cast<uint16_t>(q0 | (q2 << 8));
+      *reinterpret_cast<uint16_t*>(p + 4) = static_cast<uint16_t>(q1 | (q3 << 8));
+    } else {
+      *reinterpret_cast<uint32_t*>(s.xq + b * 128 + lane * 4) = q0 | (q1 << 8) | (q2 << 16) | (q3 << 24);
+    }
+    if (lane == 0) s.xs[b] = sc;
+  }
+  __syncwarp();
+}
+
+// the job's 16 row sums for token 0 -> s.red[warp][0..15]
+template <bool FP4>
+__device__ __forceinline__ void run(const Job& j, const WarpSmem& s, int warp, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  const int nchunk = (j.nsteps + NSTEP - 1) / NSTEP;
+  float acc0 = 0.0f, acc1 = 0.0f;  // rows g, g + 8 (token 0 is the MMA column 0: lanes t == 0 hold it)
+  for (int c = 0; c < nchunk; ++c) {
+    __syncwarp();  // the quad is done reading the slot about to be refilled
+    issue(j, s, c + NBUF - 1, lane);
+    cp_async_wait<NBUF - 1>();
+    __syncwarp();  // every lane's copies of chunk c (and the scales) visible to its quad
+    const int slot = c % NBUF;
+    if constexpr (FP4) {
+      const int ng = j.nsteps * 4;
+#pragma unroll
+      for (int st = 0; st < NSTEP; ++st) {
+        const int step = c * NSTEP + st;
+        if (step >= j.nsteps) break;
+        const uint32_t* r0 = reinterpret_cast<const uint32_t*>(s.ring + ((slot * NSTEP + st) * 2) * 32 + g * 4);
+        const uint32_t* r1 = r0 + 32 * 4;
+        const uint32_t sc0 = *reinterpret_cast<const uint32_t*>(s.sc + g * ng + step * 4);
+        const uint32_t sc1 = *reinterpret_cast<const uint32_t*>(s.sc + (g + 8) * ng + step * 4);
+        const float fx = s.xs[step] * 64.0f;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {  // group q of the step (copied by lane (g, q) of the quad)
+          const int pos = (q + (g >> 1)) & 3;
+          const uint32_t w0 = r0[pos * 4 + t], w1 = r1[pos * 4 + t];
+          const uint2 xb = g == 0 ? *reinterpret_cast<const uint2*>(s.xq + step * 128 + q * 32 + t * 8)
+                                  : make_uint2(0u, 0u);
+          float d[4];
+          mma_e4m3_zero(d, fp4_even(w0), fp4_even(w1), fp4_odd(w0), fp4_odd(w1), xb.x, xb.y);
+          float f0, f1;
+          if (q == 0) f0 = e8m0<0>(sc0), f1 = e8m0<0>(sc1);
+          if (q == 1) f0 = e8m0<1>(sc0), f1 = e8m0<1>(sc1);
+          if (q == 2) f0 = e8m0<2>(sc0), f1 = e8m0<2>(sc1);
+          if (q == 3) f0 = e8m0<3>(sc0), f1 = e8m0<3>(sc1);
+          acc0 += d[0] * (f0 * fx);
+          acc1 += d[2] * (f1 * fx);
+        }
+      }
+    } else {  // one 128-column block per chunk
+      const int pos = g * 4 + ((t + (g >> 1)) & 3);
+      float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+      for (int st = 0; st < NSTEP; ++st) {
+        const int step = c * NSTEP + st;
+        const uint4 wa = s.ring[((slot * NSTEP + st) * 2) * 32 + pos];
+        const uint4 wb = s.ring[((slot * NSTEP + st) * 2 + 1) * 32 + pos];
+        const uint4 xb = g == 0 ? *reinterpret_cast<const uint4*>(s.xq + step * 64 + t * 16) : make_uint4(0, 0, 0, 0);
+        mma_e4m3(d, wa.x, wb.x, wa.y, wb.y, xb.x, xb.y);
+        mma_e4m3(d, wa.z, wb.z, wa.w, wb.w, xb.z, xb.w);
+      }
+      const float f = __ldg(reinterpret_cast<const float*>(j.sc) + c) * s.xs[c];
+      acc0 += d[0] * f;
+      acc1 += d[2] * f;
+    }
+  }
+  if (t == 0) {
+    s.red[warp * 16 + g] = acc0;
+    s.red[warp * 16 + g + 8] = acc1;
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 3) moe_up_kernel(const MoeArgs a) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const WarpSmem s = carve(smem, warp);
+  const int groups = a.I / 16;
+  const int nshared = a.has_shared ? groups : 0;
+  const int bid = static_cast<int>(blockIdx.x);
+  const bool shared = bid < nshared;
+  const int q = shared ? bid : bid - nshared;
+  const int slot = shared ? a.k : q / groups;
+  const int row0 = (q % groups) * 16;
+  const int mat = warp >> 2, kq = warp & 3;  // w1 / w3, quarter of K
+  const int kw = a.D / 4;
+  dev::griddep_launch_dependents();
+  Job j;
+  XRegs xr;
+  const int nblk = kw / 128;
+  j.x = a.x + kq * kw;
+  if (shared) {
+    j.w = (mat ? a.v3 : a.v1) + static_cast<long long>(row0) * a.D + kq * kw;
+    j.ld = a.D;
+    j.sc = reinterpret_cast<const uint8_t*>((mat ? a.v3s : a.v1s) + (row0 / 128) * (a.D / 128) + kq * kw / 128);
+    j.sc_ld = 0;
+    j.nsteps = kw / 64;
+    prefetch<false>(j, s, lane);
+    dev::griddep_wait();
+    load_x(j, nblk, lane, xr);
+    quantize_x<false>(xr, nblk, s, lane);
+    run<false>(j, s, warp, lane);
+  } else {
+    dev::griddep_wait();
+    load_x(j, nblk, lane, xr);  // in flight with the expert id
+    const long long e = a.idx[slot];
+    const long long r = e * a.I + row0;
+    j.w = (mat ? a.w3 : a.w1) + r * (a.D / 2) + kq * kw / 2;
+    j.ld = a.D / 2;
+    j.sc = (mat ? a.s3 : a.s1) + r * (a.D / 32) + kq * kw / 32;
+    j.sc_ld = a.D / 32;
+    j.nsteps = kw / 128;
+    prefetch<true>(j, s, lane);
+    quantize_x<true>(xr, nblk, s, lane);
+    run<true>(j, s, warp, lane);
+  }
+  __syncthreads();
+  if (threadIdx.x < 16) {
+    const int r = threadIdx.x;
+    float gate = 0.0f, up = 0.0f;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      gate += s.red[w * 16 + r];
+      up += s.red[(4 + w) * 16 + r];
+    }
+    gate = bf16_round(gate);
+    up = bf16_round(up);
+    if (a.limit > 0.0f) {
+      up = fminf(fmaxf(up, -a.limit), a.limit);
+      gate = fminf(gate, a.limit);
+    }
+    float hv = gate / (1.0f + expf(-gate)) * up;
+    if (!shared) hv *= a.wts[slot];
+    a.h[static_cast<long long>(slot) * a.I + row0 + r] = __float2bfloat16_rn(hv);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 3) moe_down_kernel(const MoeArgs a) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const WarpSmem s = carve(smem, warp);
+  const int row0 = static_cast<int>(blockIdx.x) * 16;
+  const bool routed = warp < a.k;
+  const bool shared = a.has_shared && warp >= kWarps - 2;
+  dev::griddep_launch_dependents();
+  Job j;
+  if (shared) {  // half (warp - 6) of the shared expert's K
+    const int half = warp - (kWarps - 2), kh = a.I / 2;
+    j.w = a.v2 + static_cast<long long>(row0) * a.I + half * kh;
+    j.ld = a.I;
+    j.sc = reinterpret_cast<const uint8_t*>(a.v2s + (row0 / 128) * (a.I / 128) + half * kh / 128);
+    j.sc_ld = 0;
+    j.nsteps = kh / 64;
+    j.x = a.h + static_cast<long long>(a.k) * a.I + half * kh;
+    prefetch<false>(j, s, lane);
+    dev::griddep_wait();
+    XRegs xr;
+    load_x(j, kh / 128, lane, xr);
+    quantize_x<false>(xr, kh / 128, s, lane);
+    run<false>(j, s, warp, lane);
+  } else if (routed) {
+    dev::griddep_wait();
+    j.x = a.h + static_cast<long long>(warp) * a.I;
+    XRegs xr;
+    load_x(j, a.I / 128, lane, xr);  // in flight with the expert id
+    const long long r = a.idx[warp] * a.D + row0;
+    j.w = a.w2 + r * (a.I / 2);
+    j.ld = a.I / 2;
+    j.sc = a.s2 + r * (a.I / 32);
+    j.sc_ld = a.I / 32;
+    j.nsteps = a.I / 128;
+    prefetch<true>(j, s, lane);
+    quantize_x<true>(xr, a.I / 128, s, lane);
+    run<true>(j, s, warp, lane);
+  }
+  __syncthreads();
+  if (threadIdx.x < 16) {
+    const int r = threadIdx.x;
+    long long ids[6];
+    for (int i = 0; i < a.k; ++i) ids[i] = a.idx[i];
+    float y = 0.0f;
+    unsigned used = 0;
+    for (int n = 0; n < a.k; ++n) {  // ascending (expert id, slot)
+      int best = -1;
+      for (int i = 0; i < a.k; ++i) {
+        if (!(used >> i & 1u) && (best < 0 || ids[i] < ids[best])) best = i;
+      }
+      used |= 1u << best;
+      y += bf16_round(s.red[best * 16 + r]);
+    }
+    if (a.has_shared) y += bf16_round(s.red[(kWarps - 2) * 16 + r] + s.red[(kWarps - 1) * 16 + r]);
+    a.y[row0 + r] = __float2bfloat16_rn(y);
+  }
+}
+
+cudaError_t launch(void (*kernel)(MoeArgs), const MoeArgs& a, int grid, bool pdl, cudaStream_t stream) {
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (e != cudaSuccess) return e;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid, 1, 1);
+  cfg.blockDim = dim3(kThreads, 1, 1);
+  cfg.dynamicSmemBytes = kSmem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, a);
+}
+
+}  // namespace
+
+cudaError_t moe_decode_launch(const MoeArgs& a, bool pdl, cudaStream_t stream) {
+  const int up = (a.has_shared ? a.I / 16 : 0) + a.k * (a.I / 16);
+  cudaError_t e = launch(moe_up_kernel, a, up, pdl, stream);
+  if (e != cudaSuccess) return e;
+  return launch(moe_down_kernel, a, a.D / 16, pdl, stream);
+}
+
+}  // namespace dsv4

@@ -1,0 +1,74 @@
+"""CUDA fast path of `moe_experts` for decode (dsv4/kernels/cuda/moe.cu): one token, MXFP4 routed experts with FP8
+1x128 activation quantization (DeepSeek's FP4 path), an FP8 block-scaled shared expert (or none), bf16 activations.
+Two launches (w1 / w3 + SwiGLU, then w2 + the ordered weighted sum); numerics as `moe_experts_ref` up to fp32
+summation order and the FP8 MMA's accumulation inside each 32-value MXFP4 group / 128-value FP8 block.
+
+`applies(...)` says whether a call takes this path (else the Triton kernels run: more tokens, NVFP4 or dense experts,
+no activation quantization, other shapes, no CUDA build); `moe_decode(...)` launches it. No host sync, graph-safe:
+the expert ids are read on the device.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from dsv4.kernels import cuda as cuda_kernels
+from dsv4.ops.linear import PreparedLinear
+from dsv4.ops.linear_cuda import PDL
+
+MAX_K = 6  # routed experts per token (one warp each in the down kernel; two more take the shared expert)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _fp4_stack(w: PreparedLinear, n: int, k: int) -> bool:
+    return (w.fmt == "mxfp4" and w.n == n and w.k == k and w.weight.dim() == 3 and w.weight.is_contiguous()
+            and w.scale is not None and w.scale.is_contiguous())
+
+
+def _fp8(w: PreparedLinear, n: int, k: int) -> bool:
+    return (w.fmt == "fp8" and w.n == n and w.k == k and w.weight.dim() == 2 and w.weight.is_contiguous()
+            and w.scale is not None and w.scale.is_contiguous())
+
+
+def applies(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w1: PreparedLinear, w2: PreparedLinear,
+            w3: PreparedLinear, shared: tuple | None, act_quant: bool) -> bool:
+    """True when the CUDA kernels run this call: CUDA sm_90+, one bf16 token, 1..6 routed MXFP4 experts with
+    activation quantization, D a multiple of 2048 (<= 8192), inter a multiple of 512 (<= 2048), an FP8 shared expert
+    or none, the module built."""
+    if not (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.bfloat16 and act_quant):
+        return False
+    if not (idx.dim() == 2 and idx.shape[0] == 1 and 1 <= idx.shape[1] <= MAX_K and weights.shape == idx.shape
+            and idx.device == x.device and weights.device == x.device):
+        return False
+    D, N = x.shape[1], w1.n
+    if not (D % 2048 == 0 and D <= 8192 and N % 512 == 0 and N <= 2048):
+        return False
+    if not (_fp4_stack(w1, N, D) and _fp4_stack(w3, N, D) and _fp4_stack(w2, D, N)):
+        return False
+    if shared is not None and not (_fp8(shared[0], N, D) and _fp8(shared[1], D, N) and _fp8(shared[2], N, D)):
+        return False
+    idx_dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if _capability(idx_dev)[0] < 9:
+        return False
+    return cuda_kernels.load() is not None
+
+
+def moe_decode(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w1: PreparedLinear, w2: PreparedLinear,
+               w3: PreparedLinear, shared: tuple | None, limit: float) -> torch.Tensor:
+    """y [1, D] bf16 = the routed experts' weighted sum plus the shared expert's (see applies())."""
+    mod = cuda_kernels.load()
+    k, N = idx.shape[1], w1.n
+    x = x.contiguous()
+    h = torch.empty((k + 1, N), dtype=torch.bfloat16, device=x.device)  # stream-ordered scratch: graph-safe
+    y = torch.empty_like(x)
+    s = (None,) * 6 if shared is None else (shared[0].weight, shared[0].scale, shared[2].weight, shared[2].scale,
+                                           shared[1].weight, shared[1].scale)
+    mod.moe_decode(x, weights.contiguous().float(), idx.contiguous().long(), w1.weight, w1.scale, w3.weight,
+                   w3.scale, w2.weight, w2.scale, *s, h, y, float(limit), PDL)
+    return y
