@@ -10,20 +10,13 @@ the expert ids are read on the device.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from dsv4.kernels import cuda as cuda_kernels
 from dsv4.ops.linear import PreparedLinear
-from dsv4.ops.linear_cuda import PDL
+from dsv4.ops.linear_cuda import PDL, _capability
 
 MAX_K = 6  # routed experts per token (one warp each in the down kernel; two more take the shared expert)
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
 
 
 def _fp4_stack(w: PreparedLinear, n: int, k: int) -> bool:
