@@ -69,7 +69,7 @@ TUNED: dict[tuple[str, bool, int, int], dict[int, tuple[int, int, int, int] | No
     ("fp8", False, 2048, 4096): {1: (8, 8, 8, 1), 4: (8, 2, 2, 1)},  # shared expert w1 / w3
     ("fp8", False, 4096, 2048): {1: (4, 8, 4, 2), 4: (8, 4, 2, 1)},  # shared expert w2
     ("dense", True, 1024, 4096): {1: None, 4: (8, 4, 8, 1)},  # HCA compressor wkv || wgate (Triton 5.3 vs 5.9 us)
-    ("dense", True, 2560, 4096): {1: (4, 2, 2, 4), 4: (8, 2, 4, 1)},  # CSA compressors (main + indexer)
+    ("dense", True, 2560, 4096): {1: (2, 1, 2, 4), 4: (8, 2, 4, 1)},  # CSA compressors (main + indexer)
     ("dense", False, 64, 4096): {1: None, 4: (8, 1, 2, 1)},  # indexer weights_proj (Triton 2.6 vs 3.0 us)
 }
 

@@ -47,6 +47,35 @@ def test_lockstep_returns_the_reference_and_flags_a_wrong_fast_op():
     assert not hook.rows[("compressor", "csa")]["over"]
 
 
+def test_end_to_end_scores_each_step_on_the_same_inputs():
+    ref = torch.tensor([[3.0, 1.0, 0.0], [2.0, 1.95, 0.0], [2.0, 0.0, 1.0]])
+    fast = ref.clone()
+    fast[1, 1] = 2.05  # a 0.1 error flips a 0.05 margin
+    res = ab.end_to_end(ref, [0, 0, 0], fast, [0, 1, 0])
+    assert (res["agree_steps"], res["steps"]) == (2, 3)
+    assert res["logits_max_abs_err"] == pytest.approx(0.1) and res["logits_rel_err"] == pytest.approx(0.1 / 3)
+    (d,) = res["differ"]
+    assert (d["step"], d["ref"], d["fast"]) == (1, 0, 1)
+    assert d["ref_gap"] == pytest.approx(0.05) and d["fast_gap"] == pytest.approx(0.05)
+    assert ab.end_to_end(ref, [0, 0, 0], ref, [0, 0, 0])["differ"] == []
+
+
+def test_run_model_teacher_forcing_feeds_the_given_tokens():
+    class Toy(torch.nn.Module):  # logits favour the token after the last input
+        def new_state(self, n):
+            return None
+
+        def forward(self, x, state, last_only=False):
+            out = torch.zeros(1, x.shape[1], 8)
+            out[0, -1, (int(x[0, -1]) + 1) % 8] = 1.0
+            return out
+
+    _, free = ab.run_model(Toy(), [0, 3], 3, "cpu")
+    assert free == [4, 5, 6, 7]
+    _, forced = ab.run_model(Toy(), [0, 3], 3, "cpu", force=[1, 1, 1])
+    assert forced == [4, 2, 2, 2]
+
+
 def _run(*args, env=None):
     return subprocess.run([sys.executable, str(ROOT / "tools" / "ab_compare.py"), *args], capture_output=True,
                           text=True, cwd=ROOT, env=env, timeout=900)

@@ -109,51 +109,82 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvArgs a) {
     const int nblk = nsc;
     sa = reinterpret_cast<float*>(xsm + ((M * pitch + 15) / 16) * 16);
     red = sa + M * nblk;
-    for (int p = warp; p < M * nblk; p += kThreads / 32) {
-      const int m = p / nblk, blk = p % nblk;
-      const int c = cta_col0 + blk * 128 + lane * 4;
-      float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      if (c < a.K) {
-        if (a.x_vec) {  // 4 elements in one 8- or 16-byte load
-          const long long off = static_cast<long long>(m) * a.sx + c;
-          if (a.x_f32) {
-            const float4 f = *reinterpret_cast<const float4*>(static_cast<const float*>(a.x) + off);
-            v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
-          } else {
-            const uint2 b = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(a.x) + off);
-            const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&b.x));
-            const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&b.y));
-            v[0] = lo.x, v[1] = lo.y, v[2] = hi.x, v[3] = hi.y;
-          }
-        } else {
+    // a warp's blocks XB at a time: all their loads in flight together (one L2 round trip, not one per block),
+    // kept as loaded (4 fp32 or 4 bf16 per lane) until they have landed
+    constexpr int XB = 4;
+    constexpr int NW = kThreads / 32;
+    for (int p0 = warp; p0 < M * nblk; p0 += NW * XB) {
+      uint4 raw[XB];
 #pragma unroll
-          for (int i = 0; i < 4; ++i) v[i] = load_x(a, m, c + i);
+      for (int j = 0; j < XB; ++j) {
+        const int p = p0 + NW * j;
+        const int m = p / nblk, blk = p % nblk;
+        const int c = cta_col0 + blk * 128 + lane * 4;
+        raw[j] = make_uint4(0, 0, 0, 0);
+        if (p < M * nblk && c < a.K) {
+          const long long off = static_cast<long long>(m) * a.sx + c;
+          if (a.x_vec && a.x_f32) {  // 4 elements in one 16- or 8-byte load
+            raw[j] = *reinterpret_cast<const uint4*>(static_cast<const float*>(a.x) + off);
+          } else if (a.x_vec) {
+            const uint2 b = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(a.x) + off);
+            raw[j].x = b.x, raw[j].y = b.y;
+          } else {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) (&raw[j].x)[i] = __float_as_uint(load_x(a, m, c + i));
+          }
         }
       }
-      float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
 #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-      float s, inv;
-      ue8m0_scale(amax, s, inv);
-      uint32_t packed = 0;
+      for (int j = 0; j < XB; ++j) {
+        const int p = p0 + NW * j;
+        if (p >= M * nblk) continue;  // warp-uniform
+        const int m = p / nblk, blk = p % nblk;
+        float v[4];
+        if (a.x_vec && !a.x_f32) {
+          const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[j].x));
+          const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[j].y));
+          v[0] = lo.x, v[1] = lo.y, v[2] = hi.x, v[3] = hi.y;
+        } else {
+          v[0] = __uint_as_float(raw[j].x), v[1] = __uint_as_float(raw[j].y);
+          v[2] = __uint_as_float(raw[j].z), v[3] = __uint_as_float(raw[j].w);
+        }
+        float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
 #pragma unroll
-      for (int i = 0; i < 4; ++i) packed |= dev::e4m3_code(v[i], inv) << (8 * i);
-      *reinterpret_cast<uint32_t*>(xq + m * pitch + blk * 128 + lane * 4) = packed;
-      if (lane == 0) sa[m * nblk + blk] = s;
+        for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        float s, inv;
+        ue8m0_scale(amax, s, inv);
+        uint32_t packed = 0;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) packed |= dev::e4m3_code(v[i], inv) << (8 * i);
+        *reinterpret_cast<uint32_t*>(xq + m * pitch + blk * 128 + lane * 4) = packed;
+        if (lane == 0) sa[m * nblk + blk] = s;
+      }
     }
   } else {
     red = reinterpret_cast<float*>(xsm + ((NPART * M * pitch * 2 + 15) / 16) * 16);
-    for (int p = threadIdx.x; p < M * a.ks; p += kThreads) {
-      const int m = p / a.ks, cc = p % a.ks;
-      const int c = cta_col0 + cc;
-      const float v = c < a.K ? load_x(a, m, c) : 0.0f;
-      const __nv_bfloat16 hi = __float2bfloat16_rn(v);
-      xh[m * pitch + cc] = hi;
-      if constexpr (XSPLIT) {  // v = hi + mid + lo exactly
-        const float r1 = v - __bfloat162float(hi);
-        const __nv_bfloat16 mid = __float2bfloat16_rn(r1);
-        xh[(M + m) * pitch + cc] = mid;
-        xh[(2 * M + m) * pitch + cc] = __float2bfloat16_rn(r1 - __bfloat162float(mid));
+    constexpr int XB = 8;  // a thread's elements XB at a time: their loads in flight together
+    for (int p0 = threadIdx.x; p0 < M * a.ks; p0 += kThreads * XB) {
+      float vs[XB];
+#pragma unroll
+      for (int j = 0; j < XB; ++j) {
+        const int p = p0 + kThreads * j;
+        const int c = cta_col0 + p % a.ks;
+        vs[j] = p < M * a.ks && c < a.K ? load_x(a, p / a.ks, c) : 0.0f;
+      }
+#pragma unroll
+      for (int j = 0; j < XB; ++j) {
+        const int p = p0 + kThreads * j;
+        if (p >= M * a.ks) continue;
+        const int m = p / a.ks, cc = p % a.ks;
+        const float v = vs[j];
+        const __nv_bfloat16 hi = __float2bfloat16_rn(v);
+        xh[m * pitch + cc] = hi;
+        if constexpr (XSPLIT) {  // v = hi + mid + lo exactly
+          const float r1 = v - __bfloat162float(hi);
+          const __nv_bfloat16 mid = __float2bfloat16_rn(r1);
+          xh[(M + m) * pitch + cc] = mid;
+          xh[(2 * M + m) * pitch + cc] = __float2bfloat16_rn(r1 - __bfloat162float(mid));
+      }
       }
     }
   }
