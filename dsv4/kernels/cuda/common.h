@@ -65,10 +65,15 @@ __device__ __forceinline__ void ue8m0_scale(float amax, float& s, float& inv) {
   inv = __uint_as_float(static_cast<uint32_t>(254 - e) << 23);
 }
 
-// v / s clamped to +-448 and rounded to e4m3 (RNE): act_quant's code for one element.
+// v / s rounded to e4m3 (RNE), saturating at +-448: act_quant's code for one element. |v / s| <= 448 holds already
+// (s >= amax / 448, a power of two); NaN stays NaN, as in the reference.
 __device__ __forceinline__ uint32_t e4m3_code(float v, float inv) {
-  const float q = fminf(fmaxf(v * inv, -kFp8Max), kFp8Max);
-  return static_cast<uint32_t>(__nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3));
+  return static_cast<uint32_t>(__nv_cvt_float_to_fp8(v * inv, __NV_SATFINITE, __NV_E4M3));
+}
+
+// two elements in one conversion: a -> bits 0..7, b -> bits 8..15
+__device__ __forceinline__ uint32_t e4m3x2_code(float a, float b, float inv) {
+  return static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(make_float2(a * inv, b * inv), __NV_SATFINITE, __NV_E4M3));
 }
 
 }  // namespace dev

@@ -21,9 +21,9 @@
 // feed k-slots 4t..4t+3 (even values) and 4t+16..4t+19 (odd), and x sits in shared memory permuted the same way
 // (per 8 values: evens, then odds). The checkpoint layout is read as is.
 //
-// Programmatic dependent launch: the shared expert's weights are issued before griddepcontrol.wait; the routed
-// experts' addresses come from the router's output, so their loads wait. Both kernels trigger their dependents at
-// entry.
+// Programmatic dependent launch: the shared expert's weights are issued before griddepcontrol.wait. The routed
+// experts' addresses come from the router's output: moe_up_kernel (the router's dependent) loads them after its wait
+// and triggers its own dependent only then, so moe_down_kernel may issue its routed w2 loads before waiting on h.
 #include "common.h"
 #include "moe.h"
 
@@ -33,7 +33,7 @@ namespace {
 using dev::cp_async16;
 using dev::cp_async_commit;
 using dev::cp_async_wait;
-using dev::e4m3_code;
+using dev::e4m3x2_code;
 using dev::mma_e4m3;
 using dev::ue8m0_scale;
 
@@ -103,12 +103,12 @@ __device__ __forceinline__ WarpSmem carve(unsigned char* smem, int warp) {
   return s;
 }
 
-// chunk c of the job -> ring slot c % NBUF (one commit group per chunk, empty past the end)
-__device__ __forceinline__ void issue(const Job& j, const WarpSmem& s, int c, int lane) {
+// chunk c of the job -> ring slot `slot` (= c % NBUF, kept by the caller; one commit group per chunk, empty past
+// the end)
+__device__ __forceinline__ void issue(const Job& j, const WarpSmem& s, int c, int slot, int lane) {
   const int g = lane >> 2, t = lane & 3;
   const int nchunk = (j.nsteps + NSTEP - 1) / NSTEP;
   if (c < nchunk) {
-    const int slot = c % NBUF;
     const int pos = g * 4 + ((t + (g >> 1)) & 3);
 #pragma unroll
     for (int st = 0; st < NSTEP; ++st) {
@@ -136,7 +136,7 @@ __device__ __forceinline__ void prefetch(const Job& j, const WarpSmem& s, int la
     }
   }
 #pragma unroll
-  for (int c = 0; c < NBUF - 1; ++c) issue(j, s, c, lane);
+  for (int c = 0; c < NBUF - 1; ++c) issue(j, s, c, c, lane);
 }
 
 // x of a warp's K range (<= 2048 values: 16 blocks of 128), 4 values per lane per block, every load issued at once
@@ -165,14 +165,13 @@ __device__ __forceinline__ void quantize_x(const XRegs& r, int nblk, const WarpS
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     float sc, inv;
     ue8m0_scale(amax, sc, inv);
-    const uint32_t q0 = e4m3_code(lo.x, inv), q1 = e4m3_code(lo.y, inv);
-    const uint32_t q2 = e4m3_code(hi.x, inv), q3 = e4m3_code(hi.y, inv);
     if constexpr (FP4) {  // values 4L..4L+3 of the block: evens to slots (L&1)*2 + {0,1}, odds 4 + (L&1)*2 + {0,1}
       unsigned char* p = s.xq + b * 128 + (lane >> 1) * 8 + (lane & 1) * 2;
-      *reinterpret_cast<uint16_t*>(p) = static_cast<uint16_t>(q0 | (q2 << 8));
-      *reinterpret_cast<uint16_t*>(p + 4) = static_cast<uint16_t>(q1 | (q3 << 8));
+      *reinterpret_cast<uint16_t*>(p) = static_cast<uint16_t>(e4m3x2_code(lo.x, hi.x, inv));
+      *reinterpret_cast<uint16_t*>(p + 4) = static_cast<uint16_t>(e4m3x2_code(lo.y, hi.y, inv));
     } else {
-      *reinterpret_cast<uint32_t*>(s.xq + b * 128 + lane * 4) = q0 | (q1 << 8) | (q2 << 16) | (q3 << 24);
+      *reinterpret_cast<uint32_t*>(s.xq + b * 128 + lane * 4) =
+          e4m3x2_code(lo.x, lo.y, inv) | (e4m3x2_code(hi.x, hi.y, inv) << 16);
     }
     if (lane == 0) s.xs[b] = sc;
   }
@@ -185,12 +184,12 @@ __device__ __forceinline__ void run(const Job& j, const WarpSmem& s, int warp, i
   const int g = lane >> 2, t = lane & 3;
   const int nchunk = (j.nsteps + NSTEP - 1) / NSTEP;
   float acc0 = 0.0f, acc1 = 0.0f;  // rows g, g + 8 (token 0 is the MMA column 0: lanes t == 0 hold it)
+  int slot = 0;  // c % NBUF
   for (int c = 0; c < nchunk; ++c) {
     __syncwarp();  // the quad is done reading the slot about to be refilled
-    issue(j, s, c + NBUF - 1, lane);
+    issue(j, s, c + NBUF - 1, slot == 0 ? NBUF - 1 : slot - 1, lane);
     cp_async_wait<NBUF - 1>();
     __syncwarp();  // every lane's copies of chunk c (and the scales) visible to its quad
-    const int slot = c % NBUF;
     if constexpr (FP4) {
       const int ng = j.nsteps * 4;
 #pragma unroll
@@ -235,6 +234,7 @@ __device__ __forceinline__ void run(const Job& j, const WarpSmem& s, int warp, i
       acc0 += d[0] * f;
       acc1 += d[2] * f;
     }
+    slot = slot == NBUF - 1 ? 0 : slot + 1;
   }
   if (t == 0) {
     s.red[warp * 16 + g] = acc0;
@@ -255,7 +255,6 @@ __global__ void __launch_bounds__(kThreads, 3) moe_up_kernel(const MoeArgs a) {
   const int row0 = (q % groups) * 16;
   const int mat = warp >> 2, kq = warp & 3;  // w1 / w3, quarter of K
   const int kw = a.D / 4;
-  dev::griddep_launch_dependents();
   Job j;
   XRegs xr;
   const int nblk = kw / 128;
@@ -268,11 +267,13 @@ __global__ void __launch_bounds__(kThreads, 3) moe_up_kernel(const MoeArgs a) {
     j.nsteps = kw / 64;
     prefetch<false>(j, s, lane);
     dev::griddep_wait();
+    dev::griddep_launch_dependents();  // after the wait: see moe_down_kernel
     load_x(j, nblk, lane, xr);
     quantize_x<false>(xr, nblk, s, lane);
     run<false>(j, s, warp, lane);
   } else {
     dev::griddep_wait();
+    dev::griddep_launch_dependents();
     load_x(j, nblk, lane, xr);  // in flight with the expert id
     const long long e = a.idx[slot];
     const long long r = e * a.I + row0;
@@ -314,6 +315,9 @@ __global__ void __launch_bounds__(kThreads, 3) moe_down_kernel(const MoeArgs a) 
   const bool routed = warp < a.k;
   const bool shared = a.has_shared && warp >= kWarps - 2;
   dev::griddep_launch_dependents();
+  // The routed w2 weights are issued before the wait too: the expert ids come from the router, the kernel before
+  // moe_up_kernel, whose CTAs trigger this launch only after their own wait, i.e. once the router has completed and
+  // its writes are performed. The ids are read through L2 (ld.global.cg), never a stale L1 line.
   Job j;
   if (shared) {  // half (warp - 6) of the shared expert's K
     const int half = warp - (kWarps - 2), kh = a.I / 2;
@@ -330,17 +334,17 @@ __global__ void __launch_bounds__(kThreads, 3) moe_down_kernel(const MoeArgs a) 
     quantize_x<false>(xr, kh / 128, s, lane);
     run<false>(j, s, warp, lane);
   } else if (routed) {
-    dev::griddep_wait();
-    j.x = a.h + static_cast<long long>(warp) * a.I;
-    XRegs xr;
-    load_x(j, a.I / 128, lane, xr);  // in flight with the expert id
-    const long long r = a.idx[warp] * a.D + row0;
+    const long long r = __ldcg(a.idx + warp) * a.D + row0;
     j.w = a.w2 + r * (a.I / 2);
     j.ld = a.I / 2;
     j.sc = a.s2 + r * (a.I / 32);
     j.sc_ld = a.I / 32;
     j.nsteps = a.I / 128;
     prefetch<true>(j, s, lane);
+    dev::griddep_wait();
+    j.x = a.h + static_cast<long long>(warp) * a.I;
+    XRegs xr;
+    load_x(j, a.I / 128, lane, xr);
     quantize_x<true>(xr, a.I / 128, s, lane);
     run<true>(j, s, warp, lane);
   }
