@@ -56,6 +56,44 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// d (+)= A * B, m16n8k16, f16 inputs, fp32 accumulation; the _zero form starts from a zero accumulator
+__device__ __forceinline__ void mma_f16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                        uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void mma_f16_zero(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                             uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%10, %10, %10, %10};"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(0.0f));
+}
+
+// the e4m3 codes in bits 0..15 (lo) or 16..31 (hi) of a word -> two f16 of the same values (exact)
+__device__ __forceinline__ uint32_t e4m3_lo_f16x2(uint32_t w) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xFFFFu), __NV_E4M3);
+  return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+}
+__device__ __forceinline__ uint32_t e4m3_hi_f16x2(uint32_t w) { return e4m3_lo_f16x2(w >> 16); }
+
+// A (16 rows x k32, e4m3: a0/a2 row g, a1/a3 row g + 8, as mma m16n8k32 takes them) times B (x as f16, 4 words: k
+// slots of a0, then of a2) as two f16 MMAs: sm_90 runs e4m3 mma.sync this way anyway, but would convert B at every call
+__device__ __forceinline__ void mma_e4m3_f16x(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                              uint4 b, bool zero) {
+  if (zero) {
+    mma_f16_zero(d, e4m3_lo_f16x2(a0), e4m3_lo_f16x2(a1), e4m3_hi_f16x2(a0), e4m3_hi_f16x2(a1), b.x, b.y);
+  } else {
+    mma_f16(d, e4m3_lo_f16x2(a0), e4m3_lo_f16x2(a1), e4m3_hi_f16x2(a0), e4m3_hi_f16x2(a1), b.x, b.y);
+  }
+  mma_f16(d, e4m3_lo_f16x2(a2), e4m3_lo_f16x2(a3), e4m3_hi_f16x2(a2), e4m3_hi_f16x2(a3), b.z, b.w);
+}
+
 // act_quant's power-of-two scale: s = 2^ceil(log2(max(amax, 1e-4) * fp32(1/448))) from the exponent bits, and 1/s.
 __device__ __forceinline__ void ue8m0_scale(float amax, float& s, float& inv) {
   const float y = fmaxf(amax, kAmaxFloor) * (1.0f / kFp8Max);

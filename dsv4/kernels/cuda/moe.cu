@@ -11,9 +11,11 @@
 //
 // Numerics. x (and h) are quantized in the kernel to e4m3 with a power-of-two scale per 128 (DeepSeek's act_quant).
 // An e2m1 nibble s.EE.m becomes the e4m3 byte s.00EE.m00, whose value is exactly e2m1 * 2^-6 (E = 0 lands on the e4m3
-// subnormal 2^-7), so one m16n8k32 e4m3 MMA multiplies 32 weights of one MXFP4 group exactly; its sum is promoted to
-// fp32 with the group's E8M0 scale times the x block scale times 2^6. FP8 weights: one MMA pair per 64 columns,
-// promoted per 128-column block with the 128x128 block scale (as gemv.cu).
+// subnormal 2^-7), so one m16n8k32-shaped product multiplies 32 weights of one MXFP4 group exactly; its sum is promoted
+// to fp32 with the group's E8M0 scale times the x block scale times 2^6. FP8 weights: one product pair per 64 columns,
+// promoted per 128-column block with the 128x128 block scale (as gemv.cu). sm_90 has no e4m3 mma.sync (ptxas turns it
+// into f16 MMAs, converting both operands at every call), so the kernels convert the weight codes to f16 themselves
+// (exact) and keep x in shared memory as the f16 of its e4m3 codes: two m16n8k16 f16 MMAs per 32 values.
 //
 // Layout trick for MXFP4: lane (g, t) copies 16 bytes (one 32-value group) of rows g and g+8; an MMA needs the same
 // group from all four lanes of a quad, so lane t reads word t of the group its quad's lane j copied (a 4x4 word
@@ -34,7 +36,7 @@ using dev::cp_async16;
 using dev::cp_async_commit;
 using dev::cp_async_wait;
 using dev::e4m3x2_code;
-using dev::mma_e4m3;
+using dev::mma_e4m3_f16x;
 using dev::ue8m0_scale;
 
 constexpr int kThreads = 256;
@@ -42,9 +44,11 @@ constexpr int kWarps = kThreads / 32;
 constexpr int NSTEP = 2;                        // 64-byte steps per ring chunk (fp8: one 128-column block)
 constexpr int NBUF = 3;                         // chunks in a warp's cp.async ring: two in flight, one multiplied
 constexpr int kRingU4 = NBUF * NSTEP * 2 * 32;  // 16-byte slots of one warp's ring
-constexpr int kMaxX = 2048;                     // e4m3 x bytes per warp (its K range)
+constexpr int kMaxXV = 2048;                    // x values per warp (its K range), at most
 constexpr int kMaxSc = 1024;                    // E8M0 bytes per warp (16 rows x its groups)
-constexpr int kSmem = kWarps * (kRingU4 * 16 + kMaxX + 16 * 4 + kMaxSc + 16 * 4);
+
+// dynamic shared memory of a CTA whose warps hold xv x values each (as f16)
+constexpr int smem_bytes(int xv) { return kWarps * (kRingU4 * 16 + 2 * xv + 16 * 4 + kMaxSc + 16 * 4); }
 
 // e2m1 nibbles -> e4m3 codes of e2m1 * 2^-6: the even (low) nibbles of the 4 bytes, and the odd (high) ones
 __device__ __forceinline__ uint32_t fp4_even(uint32_t w) { return ((w << 4) & 0x80808080u) | ((w << 2) & 0x1C1C1C1Cu); }
@@ -56,16 +60,6 @@ template <int Q>
 __device__ __forceinline__ float e8m0(uint32_t four) {
   const uint32_t bits = (Q < 3 ? four << (23 - 8 * Q) : four >> 1) & 0x7F800000u;
   return __uint_as_float(max(bits, 0x00400000u));
-}
-
-// d = A * B with a zero accumulator (no register moves to clear it)
-__device__ __forceinline__ void mma_e4m3_zero(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                              uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%10, %10, %10, %10};"
-      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(0.0f));
 }
 
 __device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
@@ -82,19 +76,19 @@ struct Job {
 
 struct WarpSmem {
   uint4* ring;
-  unsigned char* xq;  // e4m3 x of the K range (fp4: permuted per 8 values, evens then odds)
+  uint16_t* xh;       // the e4m3-quantized x of the K range, as f16 (fp4: permuted per 8 values, evens then odds)
   float* xs;          // x scales per 128 values
   unsigned char* sc;  // fp4: E8M0 bytes [16 rows][groups]
   float* red;         // [kWarps][16] the warps' row sums (token 0)
 };
 
-__device__ __forceinline__ WarpSmem carve(unsigned char* smem, int warp) {
+__device__ __forceinline__ WarpSmem carve(unsigned char* smem, int warp, int xv) {
   WarpSmem s;
   unsigned char* p = smem;
   s.ring = reinterpret_cast<uint4*>(p) + warp * kRingU4;
   p += kWarps * kRingU4 * 16;
-  s.xq = p + warp * kMaxX;
-  p += kWarps * kMaxX;
+  s.xh = reinterpret_cast<uint16_t*>(p) + warp * xv;
+  p += kWarps * xv * 2;
   s.xs = reinterpret_cast<float*>(p) + warp * 16;
   p += kWarps * 16 * 4;
   s.sc = p + warp * kMaxSc;
@@ -142,21 +136,21 @@ __device__ __forceinline__ void prefetch(const Job& j, const WarpSmem& s, int la
 // x of a warp's K range (<= 2048 values: 16 blocks of 128), 4 values per lane per block, every load issued at once
 // (one L2 round trip, not one per block)
 struct XRegs {
-  uint2 v[kMaxX / 128];
+  uint2 v[kMaxXV / 128];
 };
 
 __device__ __forceinline__ void load_x(const Job& j, int nblk, int lane, XRegs& r) {
 #pragma unroll
-  for (int b = 0; b < kMaxX / 128; ++b) {
+  for (int b = 0; b < kMaxXV / 128; ++b) {
     if (b < nblk) r.v[b] = *reinterpret_cast<const uint2*>(j.x + b * 128 + lane * 4);
   }
 }
 
-// -> e4m3 codes + scales per 128 in the warp's shared memory (act_quant)
+// -> e4m3 codes (stored as the f16 of their values) + scales per 128 in the warp's shared memory (act_quant)
 template <bool FP4>
 __device__ __forceinline__ void quantize_x(const XRegs& r, int nblk, const WarpSmem& s, int lane) {
 #pragma unroll
-  for (int b = 0; b < kMaxX / 128; ++b) {
+  for (int b = 0; b < kMaxXV / 128; ++b) {
     if (b >= nblk) break;
     const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r.v[b].x));
     const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r.v[b].y));
@@ -166,12 +160,12 @@ __device__ __forceinline__ void quantize_x(const XRegs& r, int nblk, const WarpS
     float sc, inv;
     ue8m0_scale(amax, sc, inv);
     if constexpr (FP4) {  // values 4L..4L+3 of the block: evens to slots (L&1)*2 + {0,1}, odds 4 + (L&1)*2 + {0,1}
-      unsigned char* p = s.xq + b * 128 + (lane >> 1) * 8 + (lane & 1) * 2;
-      *reinterpret_cast<uint16_t*>(p) = static_cast<uint16_t>(e4m3x2_code(lo.x, hi.x, inv));
-      *reinterpret_cast<uint16_t*>(p + 4) = static_cast<uint16_t>(e4m3x2_code(lo.y, hi.y, inv));
+      uint16_t* p = s.xh + b * 128 + (lane >> 1) * 8 + (lane & 1) * 2;
+      *reinterpret_cast<uint32_t*>(p) = dev::e4m3_lo_f16x2(e4m3x2_code(lo.x, hi.x, inv));
+      *reinterpret_cast<uint32_t*>(p + 4) = dev::e4m3_lo_f16x2(e4m3x2_code(lo.y, hi.y, inv));
     } else {
-      *reinterpret_cast<uint32_t*>(s.xq + b * 128 + lane * 4) =
-          e4m3x2_code(lo.x, lo.y, inv) | (e4m3x2_code(hi.x, hi.y, inv) << 16);
+      *reinterpret_cast<uint2*>(s.xh + b * 128 + lane * 4) =
+          make_uint2(dev::e4m3_lo_f16x2(e4m3x2_code(lo.x, lo.y, inv)), dev::e4m3_lo_f16x2(e4m3x2_code(hi.x, hi.y, inv)));
     }
     if (lane == 0) s.xs[b] = sc;
   }
@@ -205,10 +199,10 @@ __device__ __forceinline__ void run(const Job& j, const WarpSmem& s, int warp, i
         for (int q = 0; q < 4; ++q) {  // group q of the step (copied by lane (g, q) of the quad)
           const int pos = (q + (g >> 1)) & 3;
           const uint32_t w0 = r0[pos * 4 + t], w1 = r1[pos * 4 + t];
-          const uint2 xb = g == 0 ? *reinterpret_cast<const uint2*>(s.xq + step * 128 + q * 32 + t * 8)
-                                  : make_uint2(0u, 0u);
+          const uint4 xb = g == 0 ? *reinterpret_cast<const uint4*>(s.xh + step * 128 + q * 32 + t * 8)
+                                  : make_uint4(0u, 0u, 0u, 0u);
           float d[4];
-          mma_e4m3_zero(d, fp4_even(w0), fp4_even(w1), fp4_odd(w0), fp4_odd(w1), xb.x, xb.y);
+          mma_e4m3_f16x(d, fp4_even(w0), fp4_even(w1), fp4_odd(w0), fp4_odd(w1), xb, true);
           float f0, f1;
           if (q == 0) f0 = e8m0<0>(sc0), f1 = e8m0<0>(sc1);
           if (q == 1) f0 = e8m0<1>(sc0), f1 = e8m0<1>(sc1);
@@ -226,9 +220,11 @@ __device__ __forceinline__ void run(const Job& j, const WarpSmem& s, int warp, i
         const int step = c * NSTEP + st;
         const uint4 wa = s.ring[((slot * NSTEP + st) * 2) * 32 + pos];
         const uint4 wb = s.ring[((slot * NSTEP + st) * 2 + 1) * 32 + pos];
-        const uint4 xb = g == 0 ? *reinterpret_cast<const uint4*>(s.xq + step * 64 + t * 16) : make_uint4(0, 0, 0, 0);
-        mma_e4m3(d, wa.x, wb.x, wa.y, wb.y, xb.x, xb.y);
-        mma_e4m3(d, wa.z, wb.z, wa.w, wb.w, xb.z, xb.w);
+        const uint4* xp = reinterpret_cast<const uint4*>(s.xh + step * 64 + t * 16);
+        const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+        const uint4 xb0 = g == 0 ? xp[0] : zero, xb1 = g == 0 ? xp[1] : zero;
+        mma_e4m3_f16x(d, wa.x, wb.x, wa.y, wb.y, xb0, false);
+        mma_e4m3_f16x(d, wa.z, wb.z, wa.w, wb.w, xb1, false);
       }
       const float f = __ldg(reinterpret_cast<const float*>(j.sc) + c) * s.xs[c];
       acc0 += d[0] * f;
@@ -245,7 +241,7 @@ __device__ __forceinline__ void run(const Job& j, const WarpSmem& s, int warp, i
 __global__ void __launch_bounds__(kThreads, 3) moe_up_kernel(const MoeArgs a) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const WarpSmem s = carve(smem, warp);
+  const WarpSmem s = carve(smem, warp, a.D / 4);
   const int groups = a.I / 16;
   const int nshared = a.has_shared ? groups : 0;
   const int bid = static_cast<int>(blockIdx.x);
@@ -310,7 +306,7 @@ __global__ void __launch_bounds__(kThreads, 3) moe_up_kernel(const MoeArgs a) {
 __global__ void __launch_bounds__(kThreads, 3) moe_down_kernel(const MoeArgs a) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const WarpSmem s = carve(smem, warp);
+  const WarpSmem s = carve(smem, warp, a.I);
   const int row0 = static_cast<int>(blockIdx.x) * 16;
   const bool routed = warp < a.k;
   const bool shared = a.has_shared && warp >= kWarps - 2;
@@ -368,13 +364,13 @@ __global__ void __launch_bounds__(kThreads, 3) moe_down_kernel(const MoeArgs a) 
   }
 }
 
-cudaError_t launch(void (*kernel)(MoeArgs), const MoeArgs& a, int grid, bool pdl, cudaStream_t stream) {
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+cudaError_t launch(void (*kernel)(MoeArgs), const MoeArgs& a, int grid, int smem, bool pdl, cudaStream_t stream) {
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) return e;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(grid, 1, 1);
   cfg.blockDim = dim3(kThreads, 1, 1);
-  cfg.dynamicSmemBytes = kSmem;
+  cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -388,9 +384,9 @@ cudaError_t launch(void (*kernel)(MoeArgs), const MoeArgs& a, int grid, bool pdl
 
 cudaError_t moe_decode_launch(const MoeArgs& a, bool pdl, cudaStream_t stream) {
   const int up = (a.has_shared ? a.I / 16 : 0) + a.k * (a.I / 16);
-  cudaError_t e = launch(moe_up_kernel, a, up, pdl, stream);
+  cudaError_t e = launch(moe_up_kernel, a, up, smem_bytes(a.D / 4), pdl, stream);
   if (e != cudaSuccess) return e;
-  return launch(moe_down_kernel, a, a.D / 16, pdl, stream);
+  return launch(moe_down_kernel, a, a.D / 16, smem_bytes(a.I), pdl, stream);
 }
 
 }  // namespace dsv4
