@@ -76,11 +76,17 @@ __device__ __forceinline__ void mma_f16_zero(float (&d)[4], uint32_t a0, uint32_
 }
 
 // the e4m3 codes in bits 0..15 (lo) or 16..31 (hi) of a word -> two f16 of the same values (exact)
+// (the halves are taken with mov.b32 {lo, hi}, which costs nothing: the conversion reads a register half directly)
 __device__ __forceinline__ uint32_t e4m3_lo_f16x2(uint32_t w) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xFFFFu), __NV_E4M3);
-  return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+  uint32_t out;
+  asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, lo;\n}" : "=r"(out) : "r"(w));
+  return out;
 }
-__device__ __forceinline__ uint32_t e4m3_hi_f16x2(uint32_t w) { return e4m3_lo_f16x2(w >> 16); }
+__device__ __forceinline__ uint32_t e4m3_hi_f16x2(uint32_t w) {
+  uint32_t out;
+  asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, hi;\n}" : "=r"(out) : "r"(w));
+  return out;
+}
 
 // A (16 rows x k32, e4m3: a0/a2 row g, a1/a3 row g + 8, as mma m16n8k32 takes them) times B (x as f16, 4 words: k
 // slots of a0, then of a2) as two f16 MMAs: sm_90 runs e4m3 mma.sync this way anyway, but would convert B at every call
