@@ -147,8 +147,9 @@ __device__ __forceinline__ void load_x(const Job& j, int nblk, int lane, XRegs& 
 }
 
 // -> e4m3 codes (stored as the f16 of their values) + scales per 128 in the warp's shared memory (act_quant)
+// (blocks b0 .. b0 + nblk - 1 of the K range)
 template <bool FP4>
-__device__ __forceinline__ void quantize_x(const XRegs& r, int nblk, const WarpSmem& s, int lane) {
+__device__ __forceinline__ void quantize_x(const XRegs& r, int nblk, const WarpSmem& s, int lane, int b0 = 0) {
 #pragma unroll
   for (int b = 0; b < kMaxXV / 128; ++b) {
     if (b >= nblk) break;
@@ -160,14 +161,14 @@ __device__ __forceinline__ void quantize_x(const XRegs& r, int nblk, const WarpS
     float sc, inv;
     ue8m0_scale(amax, sc, inv);
     if constexpr (FP4) {  // values 4L..4L+3 of the block: evens to slots (L&1)*2 + {0,1}, odds 4 + (L&1)*2 + {0,1}
-      uint16_t* p = s.xh + b * 128 + (lane >> 1) * 8 + (lane & 1) * 2;
+      uint16_t* p = s.xh + (b0 + b) * 128 + (lane >> 1) * 8 + (lane & 1) * 2;
       *reinterpret_cast<uint32_t*>(p) = dev::e4m3_lo_f16x2(e4m3x2_code(lo.x, hi.x, inv));
       *reinterpret_cast<uint32_t*>(p + 4) = dev::e4m3_lo_f16x2(e4m3x2_code(lo.y, hi.y, inv));
     } else {
-      *reinterpret_cast<uint2*>(s.xh + b * 128 + lane * 4) =
+      *reinterpret_cast<uint2*>(s.xh + (b0 + b) * 128 + lane * 4) =
           make_uint2(dev::e4m3_lo_f16x2(e4m3x2_code(lo.x, lo.y, inv)), dev::e4m3_lo_f16x2(e4m3x2_code(hi.x, hi.y, inv)));
     }
-    if (lane == 0) s.xs[b] = sc;
+    if (lane == 0) s.xs[b0 + b] = sc;
   }
   __syncwarp();
 }
@@ -251,10 +252,24 @@ __global__ void __launch_bounds__(kThreads, 3) moe_up_kernel(const MoeArgs a) {
   const int row0 = (q % groups) * 16;
   const int mat = warp >> 2, kq = warp & 3;  // w1 / w3, quarter of K
   const int kw = a.D / 4;
+  // warps kq (w1) and kq + 4 (w3) read the same x quarter: each quantizes half of its blocks into warp kq's x
+  // region, then the pair meets at named barrier 1 + kq
+  const int half = kw / 256, b0 = mat * half;
+  WarpSmem sx = s;
+  const WarpSmem owner = carve(smem, kq, a.D / 4);
+  sx.xh = owner.xh;
+  sx.xs = owner.xs;
+  auto pair_sync = [&]() {  // literal barrier ids: ptxas reserves only the ones named
+    switch (kq) {
+      case 0: asm volatile("bar.sync 1, 64;" ::: "memory"); break;
+      case 1: asm volatile("bar.sync 2, 64;" ::: "memory"); break;
+      case 2: asm volatile("bar.sync 3, 64;" ::: "memory"); break;
+      default: asm volatile("bar.sync 4, 64;" ::: "memory"); break;
+    }
+  };
   Job j;
   XRegs xr;
-  const int nblk = kw / 128;
-  j.x = a.x + kq * kw;
+  j.x = a.x + kq * kw + b0 * 128;
   if (shared) {
     j.w = (mat ? a.v3 : a.v1) + static_cast<long long>(row0) * a.D + kq * kw;
     j.ld = a.D;
@@ -264,13 +279,14 @@ __global__ void __launch_bounds__(kThreads, 3) moe_up_kernel(const MoeArgs a) {
     prefetch<false>(j, s, lane);
     dev::griddep_wait();
     dev::griddep_launch_dependents();  // after the wait: see moe_down_kernel
-    load_x(j, nblk, lane, xr);
-    quantize_x<false>(xr, nblk, s, lane);
-    run<false>(j, s, warp, lane);
+    load_x(j, half, lane, xr);
+    quantize_x<false>(xr, half, sx, lane, b0);
+    pair_sync();
+    run<false>(j, sx, warp, lane);
   } else {
     dev::griddep_wait();
     dev::griddep_launch_dependents();
-    load_x(j, nblk, lane, xr);  // in flight with the expert id
+    load_x(j, half, lane, xr);  // in flight with the expert id
     const long long e = a.idx[slot];
     const long long r = e * a.I + row0;
     j.w = (mat ? a.w3 : a.w1) + r * (a.D / 2) + kq * kw / 2;
@@ -279,8 +295,9 @@ __global__ void __launch_bounds__(kThreads, 3) moe_up_kernel(const MoeArgs a) {
     j.sc_ld = a.D / 32;
     j.nsteps = kw / 128;
     prefetch<true>(j, s, lane);
-    quantize_x<true>(xr, nblk, s, lane);
-    run<true>(j, s, warp, lane);
+    quantize_x<true>(xr, half, sx, lane, b0);
+    pair_sync();
+    run<true>(j, sx, warp, lane);
   }
   __syncthreads();
   if (threadIdx.x < 16) {
