@@ -79,6 +79,10 @@ def build_cases(dev):
     def randn(*shape, std=1.0, dtype=torch.float32):
         return (torch.randn(shape, generator=g, device=dev) * std).to(dtype)
 
+    try:
+        from dsv4.ops.linear_triton import linear as triton_linear
+    except ImportError:
+        triton_linear = None
     cases = {}
     for name, fmt, N, K, out, inp in LINEARS:
         odt = torch.float32 if out == "fp32" else torch.bfloat16
@@ -91,6 +95,8 @@ def build_cases(dev):
             x = randn(M, K, dtype=idt)
             return (x, pw, pw.quantized, odt), pw.nbytes() + _nbytes(x) + M * N * odt.itemsize
         cases[name] = ("linear", make)
+        if fmt == "fp8" and triton_linear is not None:  # the Triton kernels beside the CUDA ones, same run
+            cases[name + ".triton"] = ("linear", make, triton_linear)
 
     def make_wo_a(M):
         wo = randn(8, 1024, 4096, std=4096 ** -0.5, dtype=torch.bfloat16)
@@ -272,8 +278,8 @@ def sweep_mm(args, cases, ms, bw, dev) -> int:
     from dsv4.ops import linear_triton as lt
 
     results = []
-    for name, (op_name, make, *_) in cases.items():
-        if op_name != "linear":
+    for name, (op_name, make, *over) in cases.items():
+        if op_name != "linear" or over:
             continue
         for M in (m for m in ms if m > 16):
             first, moved = make(M)
@@ -309,7 +315,8 @@ def main(argv=None) -> int:
     import torch
 
     if args.list:
-        names = [c[0] for c in LINEARS] + ["wo_a", "head", "moe_experts", "moe_experts.triton", "router"]
+        names = ([c[0] for c in LINEARS] + [c[0] + ".triton" for c in LINEARS if c[1] == "fp8"]
+                 + ["wo_a", "head", "moe_experts", "moe_experts.triton", "router"])
         print("\n".join(names))
         return 0
     if not torch.cuda.is_available():

@@ -117,8 +117,9 @@ def wo_a_ref(o: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def make_fast_linear(linear_triton):
-    """The fast `linear`: the CUDA GEMV (dsv4/ops/linear_cuda.py) for the decode shapes it takes, the Triton kernels
-    for everything else (prefill chunks, FP4 weights, CPU under TRITON_INTERPRET=1, no CUDA build here)."""
+    """The fast `linear`: the CUDA GEMV (dsv4/ops/linear_cuda.py) for the decode shapes it takes, the CUDA GEMM for
+    prefill chunks on FP8 weights, the Triton kernels for everything else (FP4 and dense prefill, fp32 out, CPU under
+    TRITON_INTERPRET=1, no CUDA build here)."""
     if linear_triton is None:
         return None
     from dsv4.ops import linear_cuda
@@ -127,11 +128,16 @@ def make_fast_linear(linear_triton):
         if (x.is_cuda and isinstance(w, PreparedLinear) and x.dim() >= 1 and x.shape[-1] == w.k
                 and x.dtype in (torch.bfloat16, torch.float32) and out_dtype in (torch.bfloat16, torch.float32)):
             x2 = linear_triton._rows(x, w.k, "linear")
-            if linear_cuda.applies(x2, w, bool(act_quant), out_dtype):
+            gemv = linear_cuda.applies(x2, w, bool(act_quant), out_dtype)
+            splits = None if gemv else linear_cuda.gemm_choice(x2, w, bool(act_quant), out_dtype)
+            if gemv or splits:
                 linear_triton._check_weight(w, x.device)
                 out = torch.empty((*x.shape[:-1], w.n), dtype=out_dtype, device=x.device)
                 if w.n:
-                    linear_cuda.gemv(x2, w, out.view(-1, w.n))
+                    if gemv:
+                        linear_cuda.gemv(x2, w, out.view(-1, w.n))
+                    else:
+                        linear_cuda.gemm(x2, w, out.view(-1, w.n), splits)
                 return out
         return linear_triton.linear(x, w, act_quant, out_dtype)
 
@@ -158,6 +164,6 @@ def register_ops(register) -> None:
     fast_wo_a = wo_a_ref
     register("linear", linear_ref, fast_linear, interpretable=True,
              doc="x @ W^T for dense / FP8 block / MXFP4 / NVFP4 weights, FP8 1x128 activation quantization",
-             cuda="decode GEMV, 1-8 tokens on FP8 / bf16 weights")
+             cuda="decode GEMV, 1-8 tokens on FP8 / bf16 weights; prefill GEMM (TMA + wgmma) on FP8 weights")
     register("wo_a", wo_a_ref, fast_wo_a,
              doc="grouped low-rank output projection, bf16 weights, no activation quantization")

@@ -6,6 +6,13 @@ and bf16 x bf16 in fp32; fp32 x split exactly into three bf16 parts; power-of-tw
 `gemv(x2, w, out, cfg)` launches it; `config(fmt, x_f32, M, N, K)` is the (splits, WR, nstep, nchunk) choice, a fixed function of
 the shape (deterministic; measured on an H200 with tools/bench_ops.py, docs/performance.md). Split-K runs across a
 thread-block cluster and is reduced in rank order: same input, same bits.
+
+The prefill path (dsv4/kernels/cuda/gemm.cu) on FP8 block-scaled weights with bf16 out: one launch quantizes x
+(act_quant), a second runs TMA + FP8 wgmma over 128 x 128 output tiles on a persistent grid, with K split S ways and
+the fp32 partials summed in split order where the tiles alone leave SMs idle. `gemm_applies` says whether it can run a
+call, `gemm_choice` whether the fast `linear` runs it there (and with which S: GEMM_TUNED, measured against Triton),
+`gemm(x2, w, out, splits)` launches it. The MMA accumulates each 128-K block on the tensor cores
+(op_fp8_mma_bf16_out in dsv4/testing.py), as Triton's FP8 dot does.
 """
 
 from __future__ import annotations
@@ -145,3 +152,97 @@ def gemv(x2: torch.Tensor, w: PreparedLinear, out: torch.Tensor, cfg: tuple[int,
         raise ValueError(f"linear_cuda.gemv: the Triton kernel runs {w.fmt} [{w.n}, {w.k}] at M = {x2.shape[0]}")
     splits, wr, nstep, nchunk = cfg
     mod.gemv(x2, w.weight, w.scale if w.fmt == "fp8" else None, out, splits, wr, nstep, nchunk, PDL)
+
+
+# below: the GEMV (1-8 tokens) or the Triton kernels, as fast or faster there (H200, M = 16 / 32 / 64: wq_b 13.1 /
+# 17.1 / 17.8 us Triton vs 18.2 / 18.4 / 17.4 CUDA; wo_b 26.5 / 20.0 / 20.9 vs 23.2 / 21.8 / 22.4; docs/performance.md)
+GEMM_MIN_M = 96
+# (N, K) -> splits of K, for the shapes where the CUDA GEMM beat the Triton kernel at M = 128 (H200, same run: wq_b
+# 18.9 vs 22.5 us, wo_b 22.2 vs 25.4); the smaller projections (wq_a || wkv, indexer wq_b, shared expert) tie or lose
+# (split-K partials and two launches weigh as much as their 6-10 MB of weights), so Triton keeps them, and any other
+# shape unless its tiles alone fill half the SMs (the regime of wq_b, where the persistent grid wins)
+GEMM_TUNED: dict[tuple[int, int], int] = {
+    (32768, 1024): 1,  # wq_b
+    (4096, 8192): 4,  # wo_b
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _index(t: torch.Tensor) -> int:
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+
+
+def gemm_applies(x2: torch.Tensor, w: PreparedLinear, act_quant: bool, out_dtype: torch.dtype) -> bool:
+    """True when the CUDA prefill GEMM can run this call: CUDA sm_90, FP8 weights with activation quantization,
+    K % 128 == 0, N % 8 == 0, bf16 out, a 16-byte aligned weight, and the module built (any M >= 1)."""
+    if not x2.is_cuda or x2.shape[0] < 1 or x2.stride(-1) != 1:
+        return False
+    if not (w.fmt == "fp8" and act_quant and out_dtype == torch.bfloat16 and w.k % 128 == 0 and w.n % 8 == 0
+            and w.weight.is_contiguous() and w.weight.data_ptr() % 16 == 0):
+        return False
+    if _capability(_index(x2))[0] != 9:  # wgmma is sm_90a only
+        return False
+    return cuda_kernels.load() is not None
+
+
+def gemm_choice(x2: torch.Tensor, w: PreparedLinear, act_quant: bool, out_dtype: torch.dtype) -> int | None:
+    """The splits the fast `linear` runs this call with on the CUDA GEMM, or None where another kernel is faster
+    (fewer than GEMM_MIN_M rows, a shape outside GEMM_TUNED whose tiles do not fill half the SMs) or it cannot run."""
+    M = x2.shape[0]
+    if M < GEMM_MIN_M or not gemm_applies(x2, w, act_quant, out_dtype):
+        return None
+    s = GEMM_TUNED.get((w.n, w.k))
+    if s is not None:
+        return min(s, w.k // 128)
+    tiles = -(-M // 128) * -(-w.n // 128)
+    return 1 if 2 * tiles >= _sms(_index(x2)) else None
+
+
+def gemm_splits(M: int, N: int, K: int, sms: int) -> int:
+    """Default splits of K per output tile (shapes outside GEMM_TUNED, tests): doubled (up to 8) while the work units
+    still fit the SMs in one wave and every split keeps >= 2 blocks of K; 1 when the tiles alone fill half the SMs."""
+    tiles = -(-M // 128) * -(-N // 128)
+    kb = K // 128
+    s = 1
+    while s < 8 and tiles * 2 * s <= sms and kb >= 4 * s:
+        s *= 2
+    return s
+
+
+MAX_SPLIT_TILES = 4096  # output tiles of a split-K launch (the per-device arrival counters)
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    """2 x MAX_SPLIT_TILES int32 zeros for `device` (every launch leaves them zero). Made once, outside graph capture; a
+    launch captured before they exist gets its own (a memset node in its graph)."""
+    c = _COUNTERS.get(device)
+    if c is None:
+        c = torch.zeros(2 * MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+        if torch.cuda.is_current_stream_capturing():
+            return c
+        _COUNTERS[device] = c
+    return c
+
+
+def gemm(x2: torch.Tensor, w: PreparedLinear, out: torch.Tensor, splits: int | None = None) -> None:
+    """out[M, N] (bf16) = act_quant(x2) @ W^T on FP8 weights (see gemm_applies); `splits` overrides gemm_splits."""
+    mod = cuda_kernels.load()
+    M, K = x2.shape
+    sms = _sms(_index(x2))
+    s = splits or gemm_splits(M, w.n, w.k, sms)
+    tiles = -(-M // 128) * -(-w.n // 128)
+    part = cnt = None
+    if s > 1:
+        if tiles > MAX_SPLIT_TILES:
+            raise ValueError(f"linear_cuda.gemm: split-K over {tiles} tiles (at most {MAX_SPLIT_TILES})")
+        part = torch.empty(tiles * s * 128 * 128, dtype=torch.float32, device=x2.device)
+        cnt = _counters(x2.device)
+    xq = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x2.device)
+    xs = torch.empty((M, K // 128), dtype=torch.float32, device=x2.device)
+    mod.act_quant(x2, xq, xs, PDL)
+    mod.gemm_fp8(xq, xs, w.weight, w.scale, out, s, sms, part, cnt, PDL)

@@ -1,9 +1,11 @@
-"""dsv4.ops.linear_cuda (the CUDA skinny GEMV, dsv4/kernels/cuda/gemv.cu) against `linear_ref` (GPU only).
+"""dsv4.ops.linear_cuda (the CUDA skinny GEMV, dsv4/kernels/cuda/gemv.cu, and the prefill GEMM, gemm.cu) against
+`linear_ref` (GPU only).
 
 Fresh random weights in the official formats (FP8 128x128 blocks, bf16), activations with per-block magnitudes
-that differ, 1-8 tokens, bf16 and fp32 x and outputs; Flash production shapes, odd N and K tails, every split /
-row-group / step configuration the dispatcher may pick; bitwise determinism, CUDA-graph replay == eager with
-programmatic dependent launch, and the fast `linear` op routing decode shapes here.
+that differ. GEMV: 1-8 tokens, bf16 and fp32 x and outputs; Flash production shapes, odd N and K tails, every split /
+row-group / step configuration the dispatcher may pick. GEMM: 9 to 300 tokens (several M tiles), partial N tiles,
+every split-K count, its act_quant bit for bit against act_quant_ref. Both: bitwise determinism, CUDA-graph replay ==
+eager with programmatic dependent launch, and the fast `linear` op routing each shape to its kernel.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 
 from dsv4 import formats
 from dsv4.kernels import cuda as cuda_kernels
+from dsv4.ops.act_quant import act_quant_ref
 from dsv4.ops.linear import linear_ref, prepare_linear
 from dsv4.testing import assert_bitwise_equal, assert_close_rel, graph_replay
 
@@ -160,12 +163,95 @@ def test_fast_linear_routes_decode_here(monkeypatch):
     from dsv4.ops import linear_cuda
 
     calls = []
-    real = linear_cuda.gemv
-    monkeypatch.setattr(linear_cuda, "gemv", lambda *a, **k: (calls.append(a[0].shape[0]), real(*a, **k)))
-    w = _weight("fp8", 1536, 4096, seed=9)
+    for name in ("gemv", "gemm"):
+        real = getattr(linear_cuda, name)
+        monkeypatch.setattr(linear_cuda, name,
+                            lambda *a, real=real, name=name, **k: (calls.append((name, a[0].shape[0])), real(*a, **k)))
     fast = ops.OPS["linear"].fast
-    for m in (1, 8, 9, 128):  # 9 and 128 tokens: the Triton kernels
-        x = _x(m, 4096, torch.bfloat16, seed=m)
-        assert_close_rel(fast(x.view(m, 1, 4096), w, True, torch.bfloat16).view(m, -1),
-                         linear_ref(x, w, True, torch.bfloat16), "op_fp8_mma_bf16_out")
-    assert calls == [1, 8]
+    w = _weight("fp8", 1536, 4096, seed=9)  # wq_a || wkv: Triton at 9+ tokens (measured faster there)
+    wq_b = _weight("fp8", 32768, 1024, seed=10)  # the CUDA GEMM from GEMM_MIN_M tokens
+    assert linear_cuda.GEMM_MIN_M == 96
+    for ww, ms in ((w, (1, 8, 9, 128)), (wq_b, (16, 95, 96, 128))):
+        for m in ms:
+            x = _x(m, ww.k, torch.bfloat16, seed=m)
+            assert_close_rel(fast(x.view(m, 1, ww.k), ww, True, torch.bfloat16).view(m, -1),
+                             linear_ref(x, ww, True, torch.bfloat16), "op_fp8_mma_bf16_out")
+    # fp32 out: the MMA's block accumulation is outside op_fp32_out, so Triton's exact path runs it
+    x = _x(128, 1024, torch.bfloat16, seed=3)
+    assert_close_rel(fast(x, wq_b, True, torch.float32), linear_ref(x, wq_b, True, torch.float32), "op_fp32_out")
+    assert calls == [("gemv", 1), ("gemv", 8), ("gemm", 96), ("gemm", 128)]
+    assert linear_cuda.gemm_choice(_x(128, 8192, torch.bfloat16, 4), _weight("fp8", 4096, 8192, seed=11), True,
+                                   torch.bfloat16) == 4  # wo_b: split 4 ways
+
+
+# ---- the prefill GEMM (gemm.cu) ----
+
+def _gemm(x, w, splits=None):
+    out = torch.empty(x.shape[0], w.n, dtype=torch.bfloat16, device="cuda")
+    _lc().gemm(x, w, out, splits)
+    return out
+
+
+def _check_gemm(x, w, splits=None):
+    assert _lc().gemm_applies(x, w, True, torch.bfloat16)  # it can run here (gemm_choice may still prefer Triton)
+    y = _gemm(x, w, splits)
+    # e4m3 products are exact; the tensor cores accumulate each 128-K block at reduced precision (DeepGEMM's
+    # pattern, promoted to fp32 per block): the FP8-MMA tolerance
+    assert_close_rel(y, linear_ref(x, w, True, torch.bfloat16), "op_fp8_mma_bf16_out")
+    return y
+
+
+@pytest.mark.parametrize("n,k", [(n, k) for fmt, n, k in FLASH if fmt == "fp8"])
+@pytest.mark.parametrize("m", [9, 128])
+def test_gemm_flash_shapes(n, k, m):
+    w = _weight("fp8", n, k, seed=n + k + m)
+    _check_gemm(_x(m, k, torch.bfloat16, seed=m), w)
+
+
+@pytest.mark.parametrize("m,n,k", [(9, 8, 128), (17, 200, 384), (64, 136, 1280), (130, 264, 1024),
+                                   (300, 128, 256), (128, 4096, 1024)])
+def test_gemm_odd_shapes_every_split(m, n, k):
+    w = _weight("fp8", n, k, seed=7 * m + n + k)
+    x = _x(m, k, torch.bfloat16, seed=m + k)
+    for splits in sorted({1, 2, 4, 8, _lc().gemm_splits(m, n, k, 132)}):
+        if splits > k // 128:
+            continue
+        y = _check_gemm(x, w, splits)
+        assert_bitwise_equal(_gemm(x, w, splits), y, f"rerun splits={splits}")
+
+
+def test_gemm_fp32_and_strided_x():
+    w = _weight("fp8", 1024, 4096, seed=21)
+    big = _x(40, 4096 + 128, torch.float32, seed=22)
+    _check_gemm(big[:, 128:], w)  # fp32 rows with stride 4224, quantized by act_quant_kernel
+    xb = _x(40, 4096 + 4, torch.bfloat16, seed=23)[:, 4:]  # rows not 16-byte aligned: scalar loads
+    _check_gemm(xb, w)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_act_quant_kernel_bitwise(dtype):
+    mod = cuda_kernels.load()
+    x = _x(37, 1024, dtype, seed=31)
+    x[3, :128] = 0.0  # amax floor
+    x[5, 130] = 1e6  # saturating scale
+    for xx in (x, x[:, 128:]):
+        q = torch.empty(xx.shape, dtype=torch.float8_e4m3fn, device="cuda")
+        s = torch.empty(xx.shape[0], xx.shape[1] // 128, dtype=torch.float32, device="cuda")
+        mod.act_quant(xx, q, s, True)
+        rq, rs = act_quant_ref(xx)
+        assert_bitwise_equal(q.view(torch.uint8), rq.view(torch.uint8), "act_quant q")
+        assert_bitwise_equal(s, rs, "act_quant s")
+
+
+def test_gemm_graph_replay_and_pdl_chain():
+    # the second GEMM reads the first one's output through its act_quant: griddepcontrol.wait must order them
+    w1, w2 = _weight("fp8", 4096, 1024, 41), _weight("fp8", 1024, 4096, 42)
+    x = _x(128, 1024, torch.bfloat16, 43)
+
+    def chain():
+        return _gemm(_gemm(x, w1), w2)
+
+    h = linear_ref(x, w1, True, torch.bfloat16)
+    assert_close_rel(chain(), linear_ref(h, w2, True, torch.bfloat16), "op_fp8_mma_bf16_out")
+    want, got = graph_replay(chain)
+    assert_bitwise_equal(got, want, "graph replay")

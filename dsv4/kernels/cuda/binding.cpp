@@ -5,6 +5,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include "gemm.h"
 #include "gemv.h"
 #include "moe.h"
 
@@ -139,10 +140,92 @@ void moe_decode(const at::Tensor& x, const at::Tensor& wts, const at::Tensor& id
   TORCH_CHECK(e == cudaSuccess, "moe_decode launch failed: ", cudaGetErrorString(e));
 }
 
+
+// x [M, K] bf16 / fp32 (unit column stride) -> q [M, K] e4m3, s [M, K / 128] fp32 (DeepSeek's act_quant)
+void act_quant(const at::Tensor& x, at::Tensor& q, at::Tensor& s, bool pdl) {
+  TORCH_CHECK(x.is_cuda() && q.is_cuda() && s.is_cuda(), "act_quant: tensors must be on CUDA");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "act_quant: x must be [M, K] with unit column stride");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "act_quant: x must be bf16 or fp32");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % 128 == 0, "act_quant: K must be a multiple of 128");
+  TORCH_CHECK(q.scalar_type() == at::kFloat8_e4m3fn && q.is_contiguous() && q.dim() == 2 && q.size(0) == M &&
+                  q.size(1) == K, "act_quant: q must be contiguous e4m3 [M, K]");
+  TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.dim() == 2 && s.size(0) == M &&
+                  s.size(1) == K / 128, "act_quant: s must be contiguous fp32 [M, K / 128]");
+  dsv4::ActQuantArgs a{};
+  a.x = x.data_ptr();
+  a.sx = x.stride(0);
+  a.q = static_cast<uint8_t*>(q.data_ptr());
+  a.s = s.data_ptr<float>();
+  a.M = static_cast<int>(M);
+  a.K = static_cast<int>(K);
+  a.x_f32 = x.scalar_type() == at::kFloat;
+  a.x_vec = reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && (x.stride(0) * x.element_size()) % 16 == 0;
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaError_t e = dsv4::act_quant_launch(a, pdl, c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(e == cudaSuccess, "act_quant launch failed: ", cudaGetErrorString(e));
+}
+
+// out [M, N] bf16 = (xq [M, K] e4m3 * xs [M, K / 128]) @ (w [N, K] e4m3 * ws [ceil(N / 128), K / 128])^T
+// splits > 1: part [>= tiles * splits * 128 * 128] fp32 workspace, counters [>= 2 tiles] int32, zero (left zero)
+void gemm_fp8(const at::Tensor& xq, const at::Tensor& xs, const at::Tensor& w, const at::Tensor& ws, at::Tensor& out,
+              int64_t splits, int64_t ctas, const c10::optional<at::Tensor>& part,
+              const c10::optional<at::Tensor>& counters, bool pdl) {
+  TORCH_CHECK(xq.is_cuda() && xs.is_cuda() && w.is_cuda() && ws.is_cuda() && out.is_cuda(),
+              "gemm_fp8: tensors must be on CUDA");
+  TORCH_CHECK(xq.scalar_type() == at::kFloat8_e4m3fn && w.scalar_type() == at::kFloat8_e4m3fn,
+              "gemm_fp8: xq and w must be float8_e4m3fn");
+  TORCH_CHECK(xq.dim() == 2 && w.dim() == 2 && out.dim() == 2 && xq.is_contiguous() && w.is_contiguous(),
+              "gemm_fp8: xq [M, K] and w [N, K] contiguous, out [M, N]");
+  const int64_t M = xq.size(0), K = xq.size(1), N = w.size(0);
+  TORCH_CHECK(w.size(1) == K && out.size(0) == M && out.size(1) == N, "gemm_fp8: shape mismatch");
+  TORCH_CHECK(K % 128 == 0 && N % 8 == 0 && M >= 1, "gemm_fp8: K % 128 == 0, N % 8 == 0, M >= 1");
+  TORCH_CHECK(xs.scalar_type() == at::kFloat && xs.is_contiguous() && xs.dim() == 2 && xs.size(0) == M &&
+                  xs.size(1) == K / 128, "gemm_fp8: xs must be contiguous fp32 [M, K / 128]");
+  TORCH_CHECK(ws.scalar_type() == at::kFloat && ws.is_contiguous() && ws.dim() == 2 && ws.size(0) == (N + 127) / 128 &&
+                  ws.size(1) == K / 128, "gemm_fp8: ws must be contiguous fp32 [ceil(N / 128), K / 128]");
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.stride(1) == 1 && out.stride(0) % 8 == 0 &&
+                  reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0,
+              "gemm_fp8: out must be bf16 with unit column stride, 16-byte aligned rows");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(xq.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0,
+              "gemm_fp8: xq and w must be 16-byte aligned");
+  TORCH_CHECK(splits >= 1 && splits <= 8 && (K / 128) >= splits, "gemm_fp8: 1 <= splits <= min(8, K / 128)");
+  TORCH_CHECK(ctas >= 1, "gemm_fp8: ctas must be >= 1");
+  const int64_t tiles = ((M + 127) / 128) * ((N + 127) / 128);
+  if (splits > 1) {
+    TORCH_CHECK(part.has_value() && part->is_cuda() && part->scalar_type() == at::kFloat && part->is_contiguous() &&
+                    part->numel() >= tiles * splits * 128 * 128,
+                "gemm_fp8: split-K needs a contiguous fp32 workspace of tiles * splits * 128 * 128");
+    TORCH_CHECK(counters.has_value() && counters->is_cuda() && counters->scalar_type() == at::kInt &&
+                    counters->is_contiguous() && counters->numel() >= 2 * tiles,
+                "gemm_fp8: split-K needs int32 counters, two per output tile");
+  }
+  dsv4::GemmFp8Args a{};
+  a.xq = static_cast<const uint8_t*>(xq.data_ptr());
+  a.xs = xs.data_ptr<float>();
+  a.w = static_cast<const uint8_t*>(w.data_ptr());
+  a.ws = ws.data_ptr<float>();
+  a.out = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
+  a.so = out.stride(0);
+  a.M = static_cast<int>(M);
+  a.N = static_cast<int>(N);
+  a.K = static_cast<int>(K);
+  a.S = static_cast<int>(splits);
+  a.ctas = static_cast<int>(ctas);
+  if (splits > 1) {
+    a.part = part->data_ptr<float>();
+    a.counters = counters->data_ptr<int>();
+  }
+  const c10::cuda::CUDAGuard guard(xq.device());
+  const cudaError_t e = dsv4::gemm_fp8_launch(a, pdl, c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(e == cudaSuccess, "gemm_fp8 launch failed: ", cudaGetErrorString(e));
+}
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv, "skinny GEMV (1-8 tokens) on fp8 block-scaled or bf16 weights (gemv.cu)");
   m.def("gemv_smem", &gemv_smem, "dynamic shared memory bytes of one gemv CTA");
+  m.def("act_quant", &act_quant, "FP8 1x128 activation quantization, power-of-two scales (gemm.cu)");
+  m.def("gemm_fp8", &gemm_fp8, "prefill GEMM on fp8 block-scaled weights, TMA + wgmma (gemm.cu)");
   m.def("moe_decode", &moe_decode, "decode MoE experts of one token: MXFP4 routed + FP8 shared (moe.cu)");
 }

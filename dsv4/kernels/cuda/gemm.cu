@@ -1,0 +1,435 @@
+// Prefill GEMM (9+ tokens) on FP8 128x128 block-scaled weights, sm_90a: out[M, N] (bf16) = act_quant(x) @ W^T.
+//
+// Numerics are DeepSeek's: x is quantized to e4m3 in 1x128 blocks with power-of-two scales (act_quant_kernel, one
+// launch before the GEMM), the tensor cores accumulate the exact e4m3 x e4m3 products of one 128-K block, and the
+// block's sum is promoted to fp32 with the product of its two scales and added in ascending block order.
+//
+// gemm_fp8_kernel, a persistent grid (at most one CTA per SM) over work units = 128 x 128 output tiles x S splits of
+// K. One producer thread streams 128-row x 128-byte tiles of xq and W through a ring of kStages stages with TMA
+// (128-byte swizzle: the layout wgmma reads through its descriptors); two consumer warpgroups each run 64 rows x 128
+// columns as four m64n128k32 wgmma per stage, then promote. Stage hand-off is one mbarrier pair per stage (full: the
+// TMA bytes landed; empty: every consumer thread is done reading). The producer runs ahead into the next unit while
+// the consumers finish one.
+// - S == 1: the bf16 tile goes out through shared memory as whole 16-byte chunks (4-byte stores straight from the
+//   MMA fragments left half-written 32-byte sectors: ~7 us of wq_b's 20 at M = 128).
+// - S > 1: each unit writes its fp32 partial to a workspace; when all S units of a tile have arrived, unit s sums
+//   its 128 / S rows of the S partials in split order (same input, same bits; no atomics on data).
+// Programmatic dependent launch: the weight tiles of the first stages are requested before griddepcontrol.wait
+// (weights are never written by an earlier kernel); xq and its scales after it.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+#include "common.h"
+#include "gemm.h"
+
+namespace dsv4 {
+namespace {
+
+using dev::griddep_launch_dependents;
+using dev::griddep_wait;
+
+constexpr int kTile = 128;                     // BM = BN = BK
+constexpr int kConsumers = 2;                  // warpgroups of 64 rows
+constexpr int kThreads = 128 * (kConsumers + 1);
+constexpr int kStages = 6;
+constexpr int kTileBytes = kTile * kTile;      // one e4m3 operand tile
+constexpr int kStageBytes = 2 * kTileBytes;    // A + B
+constexpr int kStagingBytes = kConsumers * 64 * kTile * 2;  // the bf16 out tile
+constexpr int kSmemBytes = kStages * kStageBytes + kStagingBytes + 16 * kStages + 16 + 1024;
+
+// ---- mbarrier, TMA, wgmma (PTX) ----
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// a 128 x 128-byte box of a 2-D e4m3 tensor map at (column c0, row c1) -> shared memory, completing on bar
+__device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1)
+      : "memory");
+}
+
+__device__ __forceinline__ void tma_prefetch_map(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+// K-major operand with 128-byte swizzle: rows of 128 bytes, 8-row atoms 1024 bytes apart (stride byte offset), the
+// leading byte offset unused; a k32 step inside the atom advances the start address by 32 bytes.
+__device__ __forceinline__ uint64_t desc_sw128(uint32_t saddr) {
+  return static_cast<uint64_t>((saddr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(1) << 16) |
+         (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+
+#define DSV4_ACC8(i) \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+
+// d[64] (+)= A[64 x k32] * B[128 x k32]^T, e4m3 from shared memory, fp32 accumulators (d = A B when !accumulate).
+// Thread t of the warpgroup holds rows 16 (t / 32) + (t % 32) / 4 + {0, 8}: d[4j + {0, 1}] at columns
+// 8j + 2 (t % 4) + {0, 1} of the first row, d[4j + {2, 3}] of the second.
+__device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], uint64_t da, uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1;\n}\n"
+      : DSV4_ACC8(0), DSV4_ACC8(8), DSV4_ACC8(16), DSV4_ACC8(24), DSV4_ACC8(32), DSV4_ACC8(40), DSV4_ACC8(48),
+        DSV4_ACC8(56)
+      : "l"(da), "l"(db), "r"(accumulate));
+}
+#undef DSV4_ACC8
+
+// keeps the compiler from reading an accumulator before wgmma.wait_group has returned
+__device__ __forceinline__ void fence_acc(float (&d)[64]) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// ---- activation quantization: one warp per (row, 128-block), 4 values per lane ----
+
+__global__ void __launch_bounds__(256) act_quant_kernel(const ActQuantArgs a) {
+  griddep_wait();  // x is the previous kernel's output
+  griddep_launch_dependents();
+  const int kb_n = a.K / kTile;
+  const long long w = static_cast<long long>(blockIdx.x) * 8 + (threadIdx.x >> 5);
+  if (w >= static_cast<long long>(a.M) * kb_n) return;
+  const int lane = threadIdx.x & 31;
+  const int m = static_cast<int>(w / kb_n), kb = static_cast<int>(w % kb_n);
+  const long long off = static_cast<long long>(m) * a.sx + kb * kTile + lane * 4;
+  float v[4];
+  if (a.x_f32) {
+    const float* x = static_cast<const float*>(a.x) + off;
+    if (a.x_vec) {
+      const float4 f = *reinterpret_cast<const float4*>(x);
+      v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+    } else {
+      for (int i = 0; i < 4; ++i) v[i] = x[i];
+    }
+  } else {
+    const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(a.x) + off;
+    if (a.x_vec) {
+      const uint2 u = *reinterpret_cast<const uint2*>(x);
+      const __nv_bfloat162 p0 = *reinterpret_cast<const __nv_bfloat162*>(&u.x);
+      const __nv_bfloat162 p1 = *reinterpret_cast<const __nv_bfloat162*>(&u.y);
+      v[0] = __low2float(p0), v[1] = __high2float(p0), v[2] = __low2float(p1), v[3] = __high2float(p1);
+    } else {
+      for (int i = 0; i < 4; ++i) v[i] = __bfloat162float(x[i]);
+    }
+  }
+  float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  float s, inv;
+  dev::ue8m0_scale(amax, s, inv);
+  const uint32_t code = dev::e4m3x2_code(v[0], v[1], inv) | (dev::e4m3x2_code(v[2], v[3], inv) << 16);
+  *reinterpret_cast<uint32_t*>(a.q + static_cast<long long>(m) * a.K + kb * kTile + lane * 4) = code;
+  if (lane == 0) a.s[static_cast<long long>(m) * kb_n + kb] = s;
+}
+
+// ---- the GEMM ----
+
+// work unit u: output tile u / S (m fastest), 128-K blocks [kb0, kb1) of split u % S
+struct Unit {
+  int tile, split, m0, n0, kb0, kb1;
+  __device__ Unit(const GemmFp8Args& a, int u, int tiles_m, int kb_n) {
+    tile = u / a.S;
+    split = u % a.S;
+    m0 = (tile % tiles_m) * kTile;
+    n0 = (tile / tiles_m) * kTile;
+    const int per = (kb_n + a.S - 1) / a.S;
+    kb0 = split * per;
+    kb1 = min(kb_n, kb0 + per);
+  }
+};
+
+__device__ __forceinline__ void consumer_bar() { asm volatile("bar.sync 1, %0;" ::"n"(128 * kConsumers) : "memory"); }
+
+// the 128 threads of consumer warpgroup wg (named barrier 2 + wg; a literal id for each)
+__device__ __forceinline__ void wg_bar(int wg) {
+  if (wg == 0) {
+    asm volatile("bar.sync 2, 128;" ::: "memory");
+  } else {
+    asm volatile("bar.sync 3, 128;" ::: "memory");
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1)
+    gemm_fp8_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                    const GemmFp8Args a) {
+  extern __shared__ unsigned char smem_raw[];
+  // the swizzle atoms must be 1024-byte aligned
+  unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  unsigned char* staging = smem + kStages * kStageBytes;  // bf16 out tile, 16 KB per consumer warpgroup
+  const uint32_t ring = smem_addr(smem);
+  const uint32_t full0 = smem_addr(staging + kStagingBytes);  // full[s] = full0 + 8 s, empty[s] = empty0 + 8 s
+  const uint32_t empty0 = full0 + 8 * kStages;
+
+  const int wg = threadIdx.x >> 7;
+  const int tiles_m = (a.M + kTile - 1) / kTile;
+  const int units = tiles_m * ((a.N + kTile - 1) / kTile) * a.S;
+  const int kb_n = a.K / kTile;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(full0 + 8 * s, 1);
+      mbar_init(empty0 + 8 * s, 128 * kConsumers);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == kConsumers) {
+    // ---- producer: one thread issues every TMA copy ----
+    if (threadIdx.x == 128 * kConsumers) {
+      tma_prefetch_map(&map_a);
+      tma_prefetch_map(&map_b);
+      int pre = 0;  // the first unit's leading stages: weights before the wait, activations after
+      if (static_cast<int>(blockIdx.x) < units) {
+        const Unit w(a, blockIdx.x, tiles_m, kb_n);
+        pre = min(w.kb1 - w.kb0, kStages);
+        for (int i = 0; i < pre; ++i) {
+          mbar_expect_tx(full0 + 8 * i, kStageBytes);
+          tma_load(ring + i * kStageBytes + kTileBytes, &map_b, full0 + 8 * i, (w.kb0 + i) * kTile, w.n0);
+        }
+      }
+      griddep_wait();
+      int it = 0;
+      for (int u = blockIdx.x; u < units; u += gridDim.x) {
+        const Unit w(a, u, tiles_m, kb_n);
+        for (int kb = w.kb0; kb < w.kb1; ++kb, ++it) {
+          const int s = it % kStages;
+          const uint32_t full = full0 + 8 * s, dst = ring + s * kStageBytes;
+          if (it < pre) {
+            tma_load(dst, &map_a, full, kb * kTile, w.m0);
+            continue;
+          }
+          mbar_wait(empty0 + 8 * s, ((it / kStages) & 1) ^ 1);
+          mbar_expect_tx(full, kStageBytes);
+          tma_load(dst, &map_a, full, kb * kTile, w.m0);
+          tma_load(dst + kTileBytes, &map_b, full, kb * kTile, w.n0);
+        }
+      }
+    }
+  } else {
+    // ---- consumers: warpgroup wg owns rows [64 wg, 64 wg + 64) of the tile ----
+    griddep_wait();  // xs is the previous kernel's output
+    const int tid = threadIdx.x & 127, lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+    const int r_wg = warp * 16 + (lane >> 2);  // the thread's first row in the warpgroup's 64 (second: + 8)
+    const int r_in = wg * 64 + r_wg;            // ... in the tile
+    const int c_in = 2 * (lane & 3);            // its first column in every 8-column group
+    unsigned char* stg = staging + wg * (kStagingBytes / kConsumers);
+    float acc[64], tot[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+    int it = 0;
+    for (int u = blockIdx.x; u < units; u += gridDim.x) {
+      const Unit w(a, u, tiles_m, kb_n);
+      const bool active = w.m0 + wg * 64 < a.M;  // a warpgroup wholly past M skips its MMAs
+      const float* xs0 = a.xs + static_cast<long long>(min(w.m0 + r_in, a.M - 1)) * kb_n;
+      const float* xs1 = a.xs + static_cast<long long>(min(w.m0 + r_in + 8, a.M - 1)) * kb_n;
+      const float* wsr = a.ws + static_cast<long long>(w.n0 / kTile) * kb_n;
+#pragma unroll
+      for (int i = 0; i < 64; ++i) tot[i] = 0.0f;
+      float sa0 = __ldg(xs0 + w.kb0), sa1 = __ldg(xs1 + w.kb0), sb = __ldg(wsr + w.kb0);
+      for (int kb = w.kb0; kb < w.kb1; ++kb, ++it) {
+        const int s = it % kStages;
+        const int kn = min(kb + 1, w.kb1 - 1);  // the next block's scales, loaded while this one multiplies
+        const float na0 = __ldg(xs0 + kn), na1 = __ldg(xs1 + kn), nb = __ldg(wsr + kn);
+        mbar_wait(full0 + 8 * s, (it / kStages) & 1);
+        if (active) {
+          const uint32_t sa = ring + s * kStageBytes + wg * 64 * kTile;
+          const uint64_t da = desc_sw128(sa), db = desc_sw128(ring + s * kStageBytes + kTileBytes);
+          wgmma_fence();
+#pragma unroll
+          for (int k = 0; k < 4; ++k) wgmma_m64n128k32_e4m3(acc, da + 2 * k, db + 2 * k, k);
+          wgmma_commit();
+          wgmma_wait0();
+          fence_acc(acc);
+        }
+        mbar_arrive(empty0 + 8 * s);
+        const float f0 = sa0 * sb, f1 = sa1 * sb;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          tot[4 * j] += acc[4 * j] * f0;
+          tot[4 * j + 1] += acc[4 * j + 1] * f0;
+          tot[4 * j + 2] += acc[4 * j + 2] * f1;
+          tot[4 * j + 3] += acc[4 * j + 3] * f1;
+        }
+        sa0 = na0, sa1 = na1, sb = nb;
+      }
+      if (a.S > 1) {
+        // ---- split-K: every unit leaves its fp32 partial in the workspace; once all S of the tile have (they run in
+        // the same wave: the grid is at most one CTA per SM, and a unit only waits for units of the same or the next
+        // round), unit s sums rows [s * 128 / S, (s + 1) * 128 / S) of the S partials in split order: the same bits
+        // whichever finishes first. The last unit done resets the tile's two counters for the next launch. ----
+        float* part = a.part + static_cast<long long>(u) * kTile * kTile;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {  // a quad writes 32 contiguous bytes of a row
+          const int c = 8 * j + c_in;
+          *reinterpret_cast<float2*>(part + r_in * kTile + c) = make_float2(tot[4 * j], tot[4 * j + 1]);
+          *reinterpret_cast<float2*>(part + (r_in + 8) * kTile + c) = make_float2(tot[4 * j + 2], tot[4 * j + 3]);
+        }
+        __threadfence();
+        consumer_bar();
+        int* arrived = a.counters + 2 * w.tile;
+        if (threadIdx.x == 0) {
+          atomicAdd(arrived, 1);
+          int seen;
+          for (;;) {
+            asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(seen) : "l"(arrived) : "memory");
+            if (seen >= a.S) break;
+            __nanosleep(64);
+          }
+        }
+        consumer_bar();
+        {
+          const int rows = kTile / a.S;
+          const float* base = a.part + static_cast<long long>(w.tile) * a.S * kTile * kTile;
+          for (int i = threadIdx.x; i < rows * (kTile / 4); i += 128 * kConsumers) {
+            const int r = w.split * rows + i / (kTile / 4), c = 4 * (i % (kTile / 4));
+            const int gr = w.m0 + r, gc = w.n0 + c;
+            if (gr >= a.M || gc >= a.N) continue;
+            const float* src = base + r * kTile + c;
+            float4 sum = __ldcg(reinterpret_cast<const float4*>(src));
+            for (int q0 = 1; q0 < a.S; q0 += 4) {  // four splits' loads in flight at once, summed in split order
+              float4 p[4];
+#pragma unroll
+              for (int q = 0; q < 4; ++q)
+                if (q0 + q < a.S) p[q] = __ldcg(reinterpret_cast<const float4*>(src + (q0 + q) * kTile * kTile));
+#pragma unroll
+              for (int q = 0; q < 4; ++q)
+                if (q0 + q < a.S) sum.x += p[q].x, sum.y += p[q].y, sum.z += p[q].z, sum.w += p[q].w;
+            }
+            __nv_bfloat162 lo = __floats2bfloat162_rn(sum.x, sum.y), hi = __floats2bfloat162_rn(sum.z, sum.w);
+            uint2 packed;
+            packed.x = *reinterpret_cast<uint32_t*>(&lo);
+            packed.y = *reinterpret_cast<uint32_t*>(&hi);
+            *reinterpret_cast<uint2*>(a.out + static_cast<long long>(gr) * a.so + gc) = packed;
+          }
+        }
+        consumer_bar();  // this unit's reads of the workspace are done
+        if (threadIdx.x == 0 && atomicAdd(arrived + 1, 1) == a.S - 1) {
+          arrived[0] = 0;
+          arrived[1] = 0;
+        }
+      } else if (active) {
+        // ---- the bf16 tile through shared memory (16-byte chunks XOR-swizzled by row), then 16-byte stores:
+        // every 32-byte sector of the output is written whole ----
+        wg_bar(wg);  // the last tile's reads are done
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          const int sw0 = ((j ^ (r_wg & 7)) << 4) + 2 * c_in;
+          *reinterpret_cast<__nv_bfloat162*>(stg + r_wg * 256 + sw0) = __floats2bfloat162_rn(tot[4 * j], tot[4 * j + 1]);
+          *reinterpret_cast<__nv_bfloat162*>(stg + (r_wg + 8) * 256 + sw0) =
+              __floats2bfloat162_rn(tot[4 * j + 2], tot[4 * j + 3]);
+        }
+        wg_bar(wg);
+#pragma unroll
+        for (int p = 0; p < 8; ++p) {
+          const int idx = p * 128 + tid, r = idx >> 4, ch = idx & 15;
+          const int gr = w.m0 + wg * 64 + r, gc = w.n0 + ch * 8;
+          if (gr < a.M && gc < a.N)
+            *reinterpret_cast<uint4*>(a.out + static_cast<long long>(gr) * a.so + gc) =
+                *reinterpret_cast<const uint4*>(stg + r * 256 + ((ch ^ (r & 7)) << 4));
+        }
+      }
+    }
+  }
+  griddep_launch_dependents();
+}
+
+PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      p = nullptr;
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+// rows x cols e4m3 (row stride cols bytes), 128 x 128-byte boxes, 128-byte swizzle, out-of-range reads as zeros
+bool encode_map(CUtensorMap* map, const void* base, int rows, int cols) {
+  const auto fn = encode_fn();
+  if (fn == nullptr) return false;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols)};
+  const cuuint32_t box[2] = {kTile, kTile};
+  const cuuint32_t estride[2] = {1, 1};
+  return fn(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims, strides, box, estride,
+            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// a one-dimensional launch on `stream`, with programmatic dependent launch when pdl (attr holds the attribute)
+cudaLaunchConfig_t launch_config(int grid, int block, int smem, bool pdl, cudaStream_t stream,
+                                 cudaLaunchAttribute& attr) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(grid), 1, 1);
+  cfg.blockDim = dim3(static_cast<unsigned>(block), 1, 1);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  if (pdl) {
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+  }
+  return cfg;
+}
+
+}  // namespace
+
+cudaError_t act_quant_launch(const ActQuantArgs& a, bool pdl, cudaStream_t stream) {
+  const long long warps = static_cast<long long>(a.M) * (a.K / kTile);
+  if (warps == 0) return cudaSuccess;
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t cfg = launch_config(static_cast<int>((warps + 7) / 8), 256, 0, pdl, stream, attr);
+  return cudaLaunchKernelEx(&cfg, act_quant_kernel, a);
+}
+
+cudaError_t gemm_fp8_launch(const GemmFp8Args& a, bool pdl, cudaStream_t stream) {
+  CUtensorMap map_a, map_b;
+  if (!encode_map(&map_a, a.xq, a.M, a.K) || !encode_map(&map_b, a.w, a.N, a.K)) return cudaErrorInvalidValue;
+  const cudaError_t e = cudaFuncSetAttribute(gemm_fp8_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (e != cudaSuccess) return e;
+  const int units = ((a.M + kTile - 1) / kTile) * ((a.N + kTile - 1) / kTile) * a.S;
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t cfg = launch_config(min(units, a.ctas), kThreads, kSmemBytes, pdl, stream, attr);
+  return cudaLaunchKernelEx(&cfg, gemm_fp8_kernel, map_a, map_b, a);
+}
+
+}  // namespace dsv4
