@@ -38,6 +38,10 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def _index(t: torch.Tensor) -> int:
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+
+
 def applies(x2: torch.Tensor, w: PreparedLinear, act_quant: bool, out_dtype: torch.dtype) -> bool:
     """True when the CUDA GEMV runs this call: CUDA sm_90+, 1..8 rows, FP8 weights with activation quantization
     (K % 128 == 0) or bf16 weights (K % 8 == 0, 16-byte rows), bf16/fp32 x and out, and the module built."""
@@ -51,8 +55,7 @@ def applies(x2: torch.Tensor, w: PreparedLinear, act_quant: bool, out_dtype: tor
         ok = False
     if not ok or x2.stride(-1) != 1:
         return False
-    idx = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
-    if _capability(idx)[0] < 9:
+    if _capability(_index(x2))[0] < 9:
         return False
     if config(w.fmt, x2.dtype == torch.float32, x2.shape[0], w.n, w.k) is None:
         return False
@@ -170,10 +173,6 @@ GEMM_TUNED: dict[tuple[int, int], int] = {
 @functools.lru_cache(maxsize=None)
 def _sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _index(t: torch.Tensor) -> int:
-    return t.device.index if t.device.index is not None else torch.cuda.current_device()
 
 
 def gemm_applies(x2: torch.Tensor, w: PreparedLinear, act_quant: bool, out_dtype: torch.dtype) -> bool:
