@@ -650,7 +650,9 @@ def test_tiny_checkpoint_runs_with_the_defaults(capsys, env, tmp_path, script):
     code, out, err = call_main(capsys, "-m", str(tmp_path / "t"), "Hello", "-n", "4", "--json", "--device", "cpu")
     assert code == 0, err
     result = json.loads(out)
-    assert result["usage"]["completion_tokens"] == 4
+    # the defaults sample (temperature 1.0, a fresh seed), so the random model may draw EOS before 4 tokens
+    n, finish = result["usage"]["completion_tokens"], result["finish_reason"]
+    assert (n, finish) == (4, "length") or (1 <= n <= 4 and finish == "stop"), (n, finish)
     from dsv4.engine import Engine
 
     assert Engine.from_pretrained(tmp_path / "t", device="cpu", progress=False).max_context == 1024
