@@ -49,17 +49,18 @@ LINEARS = [
     ("wq_a", "fp8", 1024, 4096, "bf16", "bf16"),
     ("wkv", "fp8", 512, 4096, "bf16", "bf16"),
     ("wq_a+wkv", "fp8", 1536, 4096, "bf16", "bf16"),  # as the model runs them (FusedLinear)
-    ("wq_b", "fp8", 32768, 1024, "bf16", "bf16"),
+    ("wq_b", "fp8", 32768, 1024, "bf16", "bf16"),  # SWA and HCA layers
+    ("wq_b+indexer.wq_b", "fp8", 40960, 1024, "bf16", "bf16"),  # a CSA layer's projections of qr (FusedLinear)
     ("wo_b", "fp8", 4096, 8192, "bf16", "bf16"),
-    ("indexer.wq_b", "fp8", 8192, 1024, "bf16", "bf16"),
     ("shared.w1", "fp8", 2048, 4096, "bf16", "bf16"),
     ("shared.w2", "fp8", 4096, 2048, "bf16", "bf16"),
     ("expert.w1 mxfp4", "mxfp4", 2048, 4096, "bf16", "bf16"),
     ("expert.w2 mxfp4", "mxfp4", 4096, 2048, "bf16", "bf16"),
     ("expert.w1 nvfp4", "nvfp4", 2048, 4096, "bf16", "bf16"),
-    ("compressor.wkv", "dense", 1024, 4096, "fp32", "fp32"),  # = an HCA layer's fused wkv || wgate
-    ("compressor.csa", "dense", 2560, 4096, "fp32", "fp32"),  # a CSA layer's wkv || wgate, main + indexer
-    ("weights_proj", "dense", 64, 4096, "bf16", "bf16"),
+    # the fp32 projections of the bf16 attn_norm output, as the model runs them (FusedLinear): an HCA layer's
+    # compressor wkv || wgate; a CSA layer's main + indexer compressor wkv || wgate || the indexer's weights_proj
+    ("compressor.wkv", "dense", 1024, 4096, "fp32", "bf16"),
+    ("compressor.csa", "dense", 2624, 4096, "fp32", "bf16"),
 ]
 
 
@@ -95,7 +96,7 @@ def build_cases(dev):
             x = randn(M, K, dtype=idt)
             return (x, pw, pw.quantized, odt), pw.nbytes() + _nbytes(x) + M * N * odt.itemsize
         cases[name] = ("linear", make)
-        if fmt == "fp8" and triton_linear is not None:  # the Triton kernels beside the CUDA ones, same run
+        if fmt in ("fp8", "dense") and triton_linear is not None:  # the Triton kernels beside the CUDA ones, same run
             cases[name + ".triton"] = ("linear", make, triton_linear)
 
     def make_wo_a(M):
@@ -315,7 +316,7 @@ def main(argv=None) -> int:
     import torch
 
     if args.list:
-        names = ([c[0] for c in LINEARS] + [c[0] + ".triton" for c in LINEARS if c[1] == "fp8"]
+        names = ([c[0] for c in LINEARS] + [c[0] + ".triton" for c in LINEARS if c[1] in ("fp8", "dense")]
                  + ["wo_a", "head", "moe_experts", "moe_experts.triton", "router"])
         print("\n".join(names))
         return 0

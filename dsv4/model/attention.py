@@ -44,15 +44,18 @@ class Attention(nn.Module):
         if spec.has_indexer:
             self.indexer = Indexer(cfg, spec.ratio, numerics, fmt, **fmt_opts)
         self._wo_a: tuple | None = None  # (key, [G, o_lora, group_in] weight in the activation dtype)
-        # same-input projections, one GEMM each: wq_a || wkv; every compressor's wkv || wgate
+        # same-input projections, one GEMM each: wq_a || wkv (x); wq_b || the indexer's wq_b (qr); every
+        # compressor's wkv || wgate || the indexer's weights_proj (x, fp32 out)
         self.qkv_a = FusedLinear([self.wq_a, self.wkv])
+        self.q_b = FusedLinear([self.wq_b, self.indexer.wq_b]) if self.indexer is not None else None
         comps = [c for c in (self.compressor, self.indexer.compressor if self.indexer else None) if c is not None]
-        self.compress_proj = FusedLinear([w for c in comps for w in (c.wkv, c.wgate)]) if comps else None
+        x_proj = [w for c in comps for w in (c.wkv, c.wgate)] + ([self.indexer.weights_proj] if self.indexer else [])
+        self.compress_proj = FusedLinear(x_proj) if comps else None
 
     def prepare_fused(self) -> None:
-        self.qkv_a.prepared()
-        if self.compress_proj is not None:
-            self.compress_proj.prepared()
+        for f in (self.qkv_a, self.q_b, self.compress_proj):
+            if f is not None:
+                f.prepared()
 
     def wo_a_grouped(self) -> torch.Tensor:
         """wo_a dequantized once to the activation dtype as [G, o_lora, group_in] (what DeepSeek's
@@ -71,7 +74,8 @@ class Attention(nn.Module):
         cos, sin = plan.rope(rope)
         q_a, kv = self.qkv_a(x)
         qr = self.q_norm(q_a)
-        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        q, q_idx = self.q_b(qr) if self.q_b is not None else (self.wq_b(qr), None)
+        q = q.unflatten(-1, (self.n_heads, self.head_dim))
         q = ops.q_norm_rope(q, cos, sin, self.eps, ref)
         kv = ops.kv_norm_rope(kv, self.kv_norm.weight, self.eps, cos, sin, self.nope_dim if ref else 0)
 
@@ -80,14 +84,16 @@ class Attention(nn.Module):
         kv_comp = idx_comp = None
         if self.compressor is not None:
             comp = st.compressor
-            # fp32 projections on the fp32 input (SPEC §5.16), all compressors of the layer in one GEMM
-            proj = self.compress_proj(x.float(), torch.float32)
+            # fp32 projections of the input (SPEC §5.16: fp32 weights and input; x holds bf16 values, whose
+            # products a bf16 GEMM with fp32 accumulation computes exactly), all of the layer's in one GEMM
+            proj = self.compress_proj(x, torch.float32)
             self.compressor(proj[0], proj[1], plan, comp, rope)
             n = plan.n_entries(self.spec.ratio, comp.entries.shape[1] - 1)
             kv_comp = comp.entries[:, :n]
             n_vis = (plan.pos + 1) // self.spec.ratio  # [S]
             if self.indexer is not None:
-                idx_comp = self.indexer(x, qr, plan, st.indexer, rope, n, n_vis, proj[2], proj[3])
+                idx_comp = self.indexer(q_idx, proj[4].to(x.dtype) if ref else proj[4], plan, st.indexer, rope,
+                                        n, n_vis, proj[2], proj[3])
             else:  # HCA: every visible entry, ascending
                 ar = torch.arange(n, device=x.device)
                 idx_comp = torch.where(ar[None, :] < n_vis[:, None], ar, -1).to(torch.int32).expand(B, -1, -1)

@@ -29,19 +29,17 @@ class Indexer(nn.Module):
         self.compressor = Compressor(cfg.hidden_size, self.dim, ratio, True, cfg.rms_norm_eps, numerics, rotate=True)
         self.scale = self.dim ** -0.5 * self.n_heads ** -0.5
 
-    def forward(self, x: torch.Tensor, qr: torch.Tensor, plan: StepPlan, st: CompressorState, rope: Rope,
+    def forward(self, q: torch.Tensor, w: torch.Tensor, plan: StepPlan, st: CompressorState, rope: Rope,
                 n: int, n_vis: torch.Tensor, c: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        # x: [B,S,hidden], qr: [B,S,q_lora], c/g: its compressor's projections of x ->
-        # [B,S,min(topk, n)] int32 entry indices (-1 = none)
+        # q = wq_b(qr): [B,S,H*d]; w = weights_proj(x): [B,S,H] (reference numerics: bf16, else fp32); c/g: its
+        # compressor's projections of x (the attention runs all of them fused) -> [B,S,min(topk, n)] int32 entry
+        # indices (-1 = none)
         self.compressor(c, g, plan, st, rope)
         cos, sin = plan.rope(rope)
-        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.dim))  # [B,S,H,d]
-        q = ops.rope(q, cos, sin, False)
+        q = ops.rope(q.unflatten(-1, (self.n_heads, self.dim)), cos, sin, False)  # [B,S,H,d]
         ref = self.numerics.reference
         if ref:
             q = ops.rotate_fp4(q)
-            w = self.weights_proj(x) * self.scale  # bf16 linear, bf16 scaling
-        else:
-            w = self.weights_proj(x, torch.float32) * self.scale
+        w = w * self.scale  # reference numerics: bf16 scaling of the bf16 linear's output
         scores = ops.indexer_scores(q, w, st.entries[:, :n], ref)
         return ops.topk_select(scores, n_vis, min(self.topk, n))

@@ -67,20 +67,21 @@ SMEM_CAP = 100 * 1024  # bytes per CTA: keeps two CTAs (and a dependent kernel's
 
 # (fmt, x fp32, N, K) -> {1: config for one token, 4: for 2-8 tokens}; None: the Triton kernel was faster there.
 # The fastest of every candidate on an H200 (tools/bench_ops.py --sweep-gemv --m 1,4, 2026-11-23,
-# docs/performance.md); the Flash shapes the model runs (wq_a || wkv fused, wq_b, wo_b, indexer wq_b, the
-# compressors' fused wkv || wgate) and the per-projection shapes of bench_ops.
+# docs/performance.md) for the Flash shapes the model runs (its FusedLinears: wq_a || wkv, wq_b || the indexer's
+# wq_b in CSA layers, the compressors' wkv || wgate (|| the indexer's weights_proj) on the bf16 attn_norm output)
+# and the per-projection shapes of bench_ops.
 TUNED: dict[tuple[str, bool, int, int], dict[int, tuple[int, int, int, int] | None]] = {
     ("fp8", False, 1024, 4096): {1: (4, 2, 4, 1), 4: (8, 8, 8, 1)},  # wq_a
     ("fp8", False, 512, 4096): {1: (8, 4, 4, 1), 4: (8, 4, 4, 1)},  # wkv
     ("fp8", False, 1536, 4096): {1: (4, 4, 8, 1), 4: (8, 2, 2, 1)},  # wq_a || wkv
     ("fp8", False, 32768, 1024): {1: (1, 8, 4, 4), 4: None},  # wq_b (Triton's swap-AB MMA: 11.4 vs 14.6 us)
+    ("fp8", False, 40960, 1024): {1: (1, 4, 2, 4), 4: (1, 8, 2, 8)},  # wq_b || indexer wq_b (13.7 / 13.6 us)
     ("fp8", False, 4096, 8192): {1: (2, 1, 2, 4), 4: (8, 8, 2, 8)},  # wo_b
     ("fp8", False, 8192, 1024): {1: (1, 2, 4, 1), 4: (4, 8, 4, 1)},  # indexer wq_b
     ("fp8", False, 2048, 4096): {1: (8, 8, 8, 1), 4: (8, 2, 2, 1)},  # shared expert w1 / w3
     ("fp8", False, 4096, 2048): {1: (4, 8, 4, 2), 4: (8, 4, 2, 1)},  # shared expert w2
-    ("dense", True, 1024, 4096): {1: None, 4: (8, 4, 8, 1)},  # HCA compressor wkv || wgate (Triton 5.3 vs 5.9 us)
-    ("dense", True, 2560, 4096): {1: (2, 1, 2, 4), 4: (8, 2, 4, 1)},  # CSA compressors (main + indexer)
-    ("dense", False, 64, 4096): {1: None, 4: (8, 1, 2, 1)},  # indexer weights_proj (Triton 2.6 vs 3.0 us)
+    ("dense", False, 1024, 4096): {1: None, 4: None},  # HCA compressor wkv || wgate (Triton 5.3 / 7.0 vs 5.9 / 9.3 us)
+    ("dense", False, 2624, 4096): {1: (8, 8, 4, 4), 4: (8, 4, 8, 1)},  # CSA compressors || weights_proj (8.7 / 12.1 us)
 }
 
 

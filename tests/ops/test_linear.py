@@ -156,6 +156,11 @@ def test_mm_config_splits_k_only_when_tiles_leave_sms_idle():
         assert split == 1 or (-(-k // 128) >= 4 * (split // 2) and g * -(-n // bn) * -(-m // bm) <= lt.MAX_SPLIT_TILES)
     for cfg in lt.mm_candidates(128, 1536, 4096, lt._DOT_FP8):
         assert -(-4096 // 128) >= 2 * cfg[-1]
+    # bf16 weights on bf16 x (the compressor projections): 4 stages on 64 x 64 tiles, programs up to one per SM
+    # (H200 sweep: CSA 2624 rows split 1 at 128 tokens, 2 at 32; HCA 1024 rows split 4 at 128)
+    assert lt._mm_config("dense", 128, 2624, 4096, 1, 132, lt._DOT_BF16) == (False, 64, 64, 4, 4, 1)
+    assert lt._mm_config("dense", 32, 2624, 4096, 1, 132, lt._DOT_BF16)[-1] == 2
+    assert lt._mm_config("dense", 128, 1024, 4096, 1, 132, lt._DOT_BF16)[-1] == 4
 
 
 def _edge_activations(m: int) -> torch.Tensor:
@@ -278,10 +283,13 @@ FLASH = [
     ("shared_w1", "fp8", 2048, 4096, True, torch.bfloat16, torch.bfloat16),
     ("shared_w2", "fp8", 4096, 2048, True, torch.bfloat16, torch.bfloat16),
     ("idx_wq_b", "fp8", 8192, 1024, True, torch.bfloat16, torch.bfloat16),
+    ("wq_b_and_idx_wq_b", "fp8", 40960, 1024, True, torch.bfloat16, torch.bfloat16),
     ("expert_w1_mxfp4", "mxfp4", 2048, 4096, True, torch.bfloat16, torch.bfloat16),
     ("expert_w2_mxfp4", "mxfp4", 4096, 2048, True, torch.bfloat16, torch.bfloat16),
     ("expert_w1_nvfp4", "nvfp4", 2048, 4096, True, torch.bfloat16, torch.bfloat16),
     ("compressor_bf16", "bf16", 1024, 4096, False, torch.float32, torch.float32),
+    ("compressor_bf16_x", "bf16", 1024, 4096, False, torch.float32, torch.bfloat16),
+    ("csa_x_proj", "bf16", 2624, 4096, False, torch.float32, torch.bfloat16),
     ("compressor_f32", "f32", 1024, 4096, False, torch.float32, torch.float32),
     ("head", "bf16", 129280, 4096, False, torch.float32, torch.bfloat16),
 ]

@@ -74,8 +74,8 @@ def _check(x, w, out_dtype, cfg=None):
     return y
 
 
-FLASH = [("fp8", 1536, 4096), ("fp8", 32768, 1024), ("fp8", 4096, 8192), ("fp8", 8192, 1024),
-         ("fp8", 2048, 4096), ("fp8", 4096, 2048), ("dense", 1024, 4096), ("dense", 64, 4096)]
+FLASH = [("fp8", 1536, 4096), ("fp8", 32768, 1024), ("fp8", 40960, 1024), ("fp8", 4096, 8192), ("fp8", 8192, 1024),
+         ("fp8", 2048, 4096), ("fp8", 4096, 2048), ("dense", 1024, 4096), ("dense", 2624, 4096), ("dense", 64, 4096)]
 
 
 @pytest.mark.parametrize("fmt,n,k", FLASH)
@@ -84,7 +84,8 @@ def test_flash_shapes(fmt, n, k, m):
     w = _weight(fmt, n, k, seed=n + k)
     x = _x(m, k, torch.bfloat16, seed=m)
     _check(x, w, torch.bfloat16)
-    if fmt == "dense":  # the compressor feeds fp32 activations and reads fp32 out
+    if fmt == "dense":  # the compressor projections read fp32 out of the bf16 input; fp32 x is split exactly
+        _check(x, w, torch.float32)
         _check(_x(m, k, torch.float32, seed=m + 1), w, torch.float32)
 
 
@@ -151,11 +152,13 @@ def test_chained_dependency_with_pdl():
 
 def test_tuned_table_routes_to_triton_where_it_was_faster():
     lc = _lc()
-    w = _weight("dense", 64, 4096, seed=1)
-    assert not lc.applies(_x(1, 4096, torch.bfloat16, 1), w, False, torch.bfloat16)
-    assert lc.applies(_x(4, 4096, torch.bfloat16, 1), w, False, torch.bfloat16)
+    w = _weight("fp8", 32768, 1024, seed=1)  # wq_b: this GEMV for one token, Triton's swap-AB MMA for 2-8
+    assert lc.applies(_x(1, 1024, torch.bfloat16, 1), w, True, torch.bfloat16)
+    assert not lc.applies(_x(4, 1024, torch.bfloat16, 1), w, True, torch.bfloat16)
     with pytest.raises(ValueError, match="the Triton kernel runs"):
-        _run(_x(1, 4096, torch.bfloat16, 1), w, torch.bfloat16)
+        _run(_x(4, 1024, torch.bfloat16, 1), w, torch.bfloat16)
+    hca = _weight("dense", 1024, 4096, seed=2)  # an HCA layer's compressor projections: Triton at 1 and 4 tokens
+    assert not any(lc.applies(_x(m, 4096, torch.bfloat16, 1), hca, False, torch.float32) for m in (1, 4))
 
 
 def test_fast_linear_routes_decode_here(monkeypatch):
