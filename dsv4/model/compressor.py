@@ -2,7 +2,7 @@
 
 HCA (ratio != 4): softmax over the window's tokens, per channel, of gate+ape scores. CSA (ratio 4):
 overlapping windows of width 8, stride 4: the previous window's first halves (A) join the current
-window's second halves (B). Projections run in fp32 on fp32 inputs (the attention runs them);
+window's second halves (B). Projections are fp32 (the attention runs them, fused, on the bf16 input);
 pooling, norm, RoPE at position w*ratio, quantization simulation and the insert are `ops.compressor`,
 which works on chunks of any length with boundaries anywhere (incomplete windows live in the state).
 """
@@ -31,8 +31,8 @@ class Compressor(nn.Module):
         self.norm = RMSNorm(dim, eps)
 
     def forward(self, c: torch.Tensor, g: torch.Tensor, plan: StepPlan, st: CompressorState, rope: Rope) -> None:
-        # c = wkv(x), g = wgate(x): [B,S,coff*d] fp32 projections of the attn_norm output (fp32 weights and
-        # input, SPEC §5.16; the attention runs them fused) at plan.pos: emits the entries of the windows
+        # c = wkv(x), g = wgate(x): [B,S,coff*d] fp32 projections of the attn_norm output (SPEC §5.16; the
+        # attention runs them fused, exact products of its bf16 values) at plan.pos: emits the entries of the windows
         # that close into st.entries and keeps the open window (and CSA's previous one) in st.kv / st.score
         quant = ("fp4" if self.rotate else "fp8") if self.numerics.reference else None
         ops.compressor(c, g, self.ape, self.norm.weight, self.norm.eps, rope.cos, rope.sin, st.kv, st.score,
