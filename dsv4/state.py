@@ -37,6 +37,7 @@ class CompressorState:
 
 class BlockState:
     def __init__(self, cfg: ModelConfig, spec: LayerSpec, batch: int, max_len: int, dtype, device):
+        self.max_len = max_len
         self.window = torch.zeros(batch, cfg.sliding_window, cfg.head_dim, dtype=dtype, device=device)
         self.compressor = None
         self.indexer = None

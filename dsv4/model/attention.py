@@ -79,7 +79,12 @@ class Attention(nn.Module):
         q = ops.q_norm_rope(q, cos, sin, self.eps, ref)
         kv = ops.kv_norm_rope(kv, self.kv_norm.weight, self.eps, cos, sin, self.nope_dim if ref else 0)
 
-        kv_win = torch.cat((st.window, kv), 1)  # ring (positions < start) ++ this chunk
+        # the ring keeps the last W raw kv vectors, slot = position mod W
+        if plan.ring_first:  # one token: into its slot first, the ring is the whole window
+            st.window.index_copy_(1, plan.ring_slots, kv)
+            kv_win = st.window
+        else:
+            kv_win = torch.cat((st.window, kv), 1)  # ring (positions < start) ++ this chunk
         idx_win = plan.win_idx.expand(B, -1, -1)
         kv_comp = idx_comp = None
         if self.compressor is not None:
@@ -90,17 +95,15 @@ class Attention(nn.Module):
             self.compressor(proj[0], proj[1], plan, comp, rope)
             n = plan.n_entries(self.spec.ratio, comp.entries.shape[1] - 1)
             kv_comp = comp.entries[:, :n]
-            n_vis = (plan.pos + 1) // self.spec.ratio  # [S]
             if self.indexer is not None:
-                idx_comp = self.indexer(q_idx, proj[4].to(x.dtype) if ref else proj[4], plan, st.indexer, rope,
-                                        n, n_vis, proj[2], proj[3])
+                idx_comp = self.indexer(q_idx, proj[4], plan, st.indexer, rope, n, plan.n_visible(self.spec.ratio),
+                                        proj[2], proj[3])
             else:  # HCA: every visible entry, ascending
-                ar = torch.arange(n, device=x.device)
-                idx_comp = torch.where(ar[None, :] < n_vis[:, None], ar, -1).to(torch.int32).expand(B, -1, -1)
+                idx_comp = plan.prefix_idx(self.spec.ratio, n).expand(B, -1, -1)
         o = ops.sparse_attn(q, kv_win, idx_win, kv_comp, idx_comp, self.attn_sink, self.head_dim ** -0.5)
 
-        # the ring keeps the last W raw kv vectors, slot = position mod W
-        st.window.index_copy_(1, plan.ring_slots, kv[:, S - plan.ring_slots.shape[0]:])
+        if not plan.ring_first:
+            st.window.index_copy_(1, plan.ring_slots, kv[:, S - plan.ring_slots.shape[0]:])
         o = ops.rope(o, cos, sin, True)  # undo the RoPE of V = K at the query position
         z = ops.wo_a(o.flatten(2).unflatten(-1, (self.o_groups, -1)), self.wo_a_grouped())
         return self.wo_b(z.flatten(2))

@@ -31,7 +31,7 @@ class Indexer(nn.Module):
 
     def forward(self, q: torch.Tensor, w: torch.Tensor, plan: StepPlan, st: CompressorState, rope: Rope,
                 n: int, n_vis: torch.Tensor, c: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        # q = wq_b(qr): [B,S,H*d]; w = weights_proj(x): [B,S,H] (reference numerics: bf16, else fp32); c/g: its
+        # q = wq_b(qr): [B,S,H*d]; w = weights_proj(x): [B,S,H] fp32; c/g: its
         # compressor's projections of x (the attention runs all of them fused) -> [B,S,min(topk, n)] int32 entry
         # indices (-1 = none)
         self.compressor(c, g, plan, st, rope)
@@ -40,6 +40,6 @@ class Indexer(nn.Module):
         ref = self.numerics.reference
         if ref:
             q = ops.rotate_fp4(q)
-        w = w * self.scale  # reference numerics: bf16 scaling of the bf16 linear's output
-        scores = ops.indexer_scores(q, w, st.entries[:, :n], ref)
+        # head weights w * scale: under reference numerics the bf16 linear's output, scaled in bf16 (in the op)
+        scores = ops.indexer_scores(q, w, st.entries[:, :n], ref, self.scale)
         return ops.topk_select(scores, n_vis, min(self.topk, n))

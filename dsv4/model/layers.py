@@ -192,8 +192,9 @@ class StepPlan:
     start: [1] int64, the first token's position; pos: [S]. Window index lists (SPEC §2.3.5, the
     official layout): query t lists positions max(0, t-W+1)..t ascending, then -1 up to `win_len`
     slots, as rows of cat(ring, chunk kv) (ring slot p % W for p < start, W + p - start for the
-    chunk). win_len is W, except for a first chunk (start 0, S > 1), where DeepSeek's prefill uses
-    min(S, W). A decode step (S = 1) has static sizes: `end` is None and every compressed-entry
+    chunk); a one-token step (decode) lists ring slots only, p % W, as its kv goes to its slot
+    first (`ring_first`: the slot held position p - W, which its window no longer covers). win_len is
+    W, except for a first chunk (start 0, S > 1), where DeepSeek's prefill uses min(S, W). A decode step (S = 1) has static sizes: `end` is None and every compressed-entry
     list covers the whole entries buffer; a prefill chunk knows its end position on the host.
     """
 
@@ -206,6 +207,7 @@ class StepPlan:
     ring_slots: torch.Tensor  # [min(S, W)] int64: ring slots of the chunk's last min(S, W) tokens
     end: int | None
     ropes: dict = field(default_factory=dict)  # kind -> (cos, sin) [S, rd/2]
+    visible: dict = field(default_factory=dict)  # ratio -> n_vis [S]; (ratio, n) -> the HCA index list
 
     @staticmethod
     def build(start: torch.Tensor, S: int, window: int, host_start: int | None) -> "StepPlan":
@@ -214,7 +216,7 @@ class StepPlan:
         win_len = min(S, window) if (host_start == 0 and S > 1) else window
         first = (pos - window + 1).clamp_min(0)
         p = first[:, None] + torch.arange(win_len, device=dev)[None, :]  # [S, win_len]
-        row = torch.where(p >= start, window + p - start, p % window)
+        row = p % window if S == 1 else torch.where(p >= start, window + p - start, p % window)
         win_idx = torch.where(p <= pos[:, None], row, -1).to(torch.int32)
         keep = min(S, window)
         end = None if (S == 1 or host_start is None) else host_start + S
@@ -225,6 +227,25 @@ class StepPlan:
         if key not in self.ropes:
             self.ropes[key] = table.at(self.pos)
         return self.ropes[key]
+
+    @property
+    def ring_first(self) -> bool:
+        """The step's kv is inserted into the ring before the attention, which reads the ring alone."""
+        return self.S == 1
+
+    def n_visible(self, ratio: int) -> torch.Tensor:
+        """[S] int64: compressed entries visible to each query, w with (w + 1) * ratio <= pos + 1."""
+        if ratio not in self.visible:
+            self.visible[ratio] = (self.pos + 1) // ratio
+        return self.visible[ratio]
+
+    def prefix_idx(self, ratio: int, n: int) -> torch.Tensor:
+        """[S, n] int32: an HCA query's compressed index list, its visible entries ascending, then -1."""
+        key = (ratio, n)
+        if key not in self.visible:
+            ar = torch.arange(n, device=self.pos.device)
+            self.visible[key] = torch.where(ar[None, :] < self.n_visible(ratio)[:, None], ar, -1).to(torch.int32)
+        return self.visible[key]
 
     def n_entries(self, ratio: int, capacity: int) -> int:
         """Compressed entries a step's index lists cover: all that can be visible by the end of the chunk

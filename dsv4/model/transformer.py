@@ -215,18 +215,25 @@ class Transformer(nn.Module):
     def layer_step(self, i: int, x: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, st: BlockState) -> torch.Tensor:
         """Layer i on one token at the device position pos ([1] int64): x [B,1,hc,D] -> [B,1,hc,D].
 
-        The step's plan (positions, window index list, ring slot, the RoPE rows of every table kind) is the
-        same for every layer: the first layer on a device builds it (in its captured graph), the later layers
-        on that device read it. So the layers of a device run in order within a step (as the graph runner
-        and the eager loop do); a layer run on its own with no plan for its pos buffer builds its own."""
+        The step's plan (positions, window index list, ring slot, the RoPE rows of every table kind, the
+        visible compressed-entry counts of every ratio and the HCA index lists) is the same for every layer:
+        the first layer on a device builds it (in its captured graph), the later layers on that device read
+        it. So the layers of a device run in order within a step (as the graph runner and the eager loop do);
+        a layer run on its own with no plan for its pos buffer builds its own."""
         layer = self.layers[i]
         dev = x.device
         first = i == 0 or self.layers[i - 1].attn_norm.weight.device != dev
         cached = self._step_plans.get(dev)
         if first or cached is None or cached[0] != pos.data_ptr():
             plan = StepPlan.build(pos, 1, self.cfg.sliding_window, None)
+            # everything now: a later layer's graph must not compute any of it
             for kind in dict.fromkeys(lay.spec.rope for lay in self.layers):
-                plan.rope(self.rope(kind, dev))  # every kind now: a later layer's graph must not compute one
+                plan.rope(self.rope(kind, dev))
+            for spec in dict.fromkeys((lay.spec.ratio, lay.spec.has_indexer) for lay in self.layers):
+                if spec[0] > 0:
+                    plan.n_visible(spec[0])
+                    if not spec[1]:  # decode lists cover the whole entries buffer
+                        plan.prefix_idx(spec[0], plan.n_entries(spec[0], st.max_len // spec[0]))
             self._step_plans[dev] = (pos.data_ptr(), plan)
         plan = self._step_plans[dev][1]
         return layer(x, ids, plan, st, self.rope(layer.spec.rope, dev))

@@ -1,6 +1,7 @@
 """Lightning Indexer scores and top-k selection (SPEC §2.5).
 
-`indexer_scores_ref(q, w, k, low_precision)`: I[b,s,n] = sum_h w[b,s,h] * relu(q[b,s,h] . k[b,n]); in
+`indexer_scores_ref(q, w, k, low_precision, w_scale)`: I[b,s,n] = sum_h w'[b,s,h] * relu(q[b,s,h] . k[b,n])
+with w' = w * w_scale (the head weights: weights_proj output times n_heads^-0.5 d^-0.5); in
 the activation dtype (bf16) under reference numerics, as DeepSeek computes it, else in fp32.
 `topk_select_ref(scores, n_visible, k)`: per query the k best of its first n_visible[s] entries,
 in descending score order with ties resolved to the lower entry index (so chunked and one-shot runs
@@ -12,13 +13,15 @@ from __future__ import annotations
 import torch
 
 
-def indexer_scores_ref(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, low_precision: bool) -> torch.Tensor:
-    """q [B,S,H,d], w [B,S,H] (weights_proj output times the scale), k [B,N,d] -> [B,S,N]."""
+def indexer_scores_ref(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, low_precision: bool,
+                       w_scale: float = 1.0) -> torch.Tensor:
+    """q [B,S,H,d], w [B,S,H] (the weights_proj output), k [B,N,d] -> [B,S,N]; the head weights are
+    w * w_scale in the score dtype (low precision: w rounded to q's dtype, then scaled and rounded again)."""
     if low_precision:
         score = torch.relu(torch.einsum("bshd,btd->bsht", q, k.to(q.dtype)))
-        return (score * w.to(q.dtype).unsqueeze(-1)).sum(2)
+        return (score * (w.to(q.dtype) * w_scale).unsqueeze(-1)).sum(2)
     score = torch.relu(torch.einsum("bshd,btd->bsht", q.float(), k.float()))
-    return (score * w.float().unsqueeze(-1)).sum(2)
+    return (score * (w.float() * w_scale).unsqueeze(-1)).sum(2)
 
 
 def topk_select_ref(scores: torch.Tensor, n_visible: torch.Tensor, k: int) -> torch.Tensor:

@@ -52,7 +52,7 @@ def _round_kind(x, KIND: tl.constexpr):
 
 @triton.jit
 def _scores_kernel(q_ptr, w_ptr, k_ptr, o_ptr, S, H, N, d,
-                   sq_b, sq_s, sq_h, sw_b, sw_s, sk_b, sk_n, so_b, so_s,
+                   sq_b, sq_s, sq_h, sw_b, sw_s, sk_b, sk_n, so_b, so_s, w_scale,
                    HP: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr,
                    LOW: tl.constexpr, KIND: tl.constexpr, OPT: tl.constexpr):
     pid_s = tl.program_id(0)
@@ -75,13 +75,17 @@ def _scores_kernel(q_ptr, w_ptr, k_ptr, o_ptr, S, H, N, d,
             qj = tl.load(q_ptr + b * sq_b + s * sq_s + offs_h[:, None] * sq_h + offs_d[None, :],
                          mask=h_ok[:, None] & d_ok[None, :], other=0.0).to(OPT)
             wj = tl.load(w_ptr + b * sw_b + s * sw_s + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+            if LOW:  # w.to(q.dtype) * w_scale, rounded to q's dtype (torch computes it in fp32)
+                wj = _round_kind(_round_kind(wj, KIND) * w_scale, KIND)
+            else:
+                wj = wj * w_scale
             if OPT == tl.float32:
                 t = tl.dot(kt, tl.trans(qj), input_precision="ieee")  # [BN, HP] fp32
             else:
                 t = tl.dot(kt, tl.trans(qj))
             if LOW:
                 t = tl.maximum(_round_kind(t, KIND), 0.0)
-                u = _round_kind(t * _round_kind(wj, KIND)[None, :], KIND)
+                u = _round_kind(t * wj[None, :], KIND)
                 res = _round_kind(tl.sum(u, 1), KIND)
             else:
                 res = tl.sum(tl.maximum(t, 0.0) * wj[None, :], 1)
@@ -92,7 +96,8 @@ def _scores_kernel(q_ptr, w_ptr, k_ptr, o_ptr, S, H, N, d,
 SCORES_CFG = {"bn": 128, "sb": 8, "warps": 4}
 
 
-def indexer_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, low_precision: bool) -> torch.Tensor:
+def indexer_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, low_precision: bool,
+                   w_scale: float = 1.0) -> torch.Tensor:
     """q [B,S,H,d], w [B,S,H], k [B,N,d] -> [B,S,N] (indexer_scores_ref's contract)."""
     if q.dim() != 4 or w.shape != q.shape[:3] or k.dim() != 3 or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[3]:
         raise ValueError(f"indexer_scores: q {tuple(q.shape)}, w {tuple(w.shape)}, k {tuple(k.shape)} do not "
@@ -122,7 +127,8 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, low_precis
     opts = {"num_warps": SCORES_CFG["warps"]} if q.is_cuda else {}
     _scores_kernel[grid](q, w, k, o, S, H, N, d, q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1),
                          k.stride(0), k.stride(1), o.stride(0), o.stride(1),
-                         HP=max(16, _pow2_ge(H)), DP=max(16, _pow2_ge(d)), BN=BN, SB=SB, LOW=bool(low_precision),
+                         float(w_scale), HP=max(16, _pow2_ge(H)), DP=max(16, _pow2_ge(d)), BN=BN, SB=SB,
+                         LOW=bool(low_precision),
                          KIND=kind, OPT=opt, **opts)
     return o
 

@@ -102,12 +102,32 @@ def test_scores_production_heads(fast, low):
     for S, N in ((1, 300), (5, 77)):
         dt = torch.bfloat16
         q = torch.randn(1, S, 64, 128, generator=g).to(dt)
-        w = (torch.randn(1, S, 64, generator=g) * 0.01).to(dt if low else torch.float32)
+        w = torch.randn(1, S, 64, generator=g)  # the fp32 weights_proj output, scaled in the op
         k = torch.randn(1, N + 3, 128, generator=g).to(dt)[:, :N]  # entries[:, :n]: a strided slice
-        got = fast.indexer_scores(q, w, k, low)
-        ref = indexer_scores_ref(q, w, k, low)
+        scale = 128 ** -0.5 * 64 ** -0.5
+        got = fast.indexer_scores(q, w, k, low, scale)
+        ref = indexer_scores_ref(q, w, k, low, scale)
         assert got.dtype == ref.dtype
         assert_close_rel(got, ref, "op_bf16_out" if low else "op_fp32_out")
+
+
+@cpu_tier
+@pytest.mark.parametrize("low", [True, False])
+def test_scores_scale_the_head_weights_as_torch(fast, low):
+    # one head, q = k = e0: each score is the scaled head weight itself, so its rounding shows bit for bit
+    # (reference numerics: bf16(bf16(w) * scale), torch's bf16 op computed in fp32; else fp32 w * scale)
+    g = torch.Generator().manual_seed(6)
+    dt = torch.bfloat16 if low else torch.float32
+    q = torch.zeros(1, 200, 1, 16, dtype=dt)
+    q[..., 0] = 1
+    k = torch.zeros(1, 1, 16, dtype=dt)
+    k[..., 0] = 1
+    w = torch.randn(1, 200, 1, generator=g).abs() * torch.exp2(torch.randint(-20, 20, (1, 200, 1), generator=g).float())
+    for scale in (128 ** -0.5 * 64 ** -0.5, 1.0, 3.0):
+        got = fast.indexer_scores(q, w, k, low, scale)
+        want = (w.to(dt) * scale) if low else w * scale
+        assert torch.equal(got[..., 0], want[..., 0]), scale
+        assert torch.equal(indexer_scores_ref(q, w, k, low, scale)[..., 0], want[..., 0])
 
 
 @cpu_tier

@@ -145,10 +145,12 @@ def _positions(plan: StepPlan, ring_pos):
 
 def test_window_lists_have_the_official_layout():
     W = 128
-    # decode at t < 127: [0..t, -1 ...] (128 slots); at t >= 127: oldest to newest
+    # decode at t < 127: [0..t, -1 ...] (128 slots); at t >= 127: oldest to newest; ring rows only (the
+    # token's kv is in its slot before the attention)
     for t in (0, 5, 100, 126, 127, 128, 300):
         plan = StepPlan.build(torch.tensor([t]), 1, W, None)
-        ring_pos = torch.tensor([t - ((t - s) % W) if s != t % W else -1 for s in range(W)])  # slot -> pos < t
+        assert plan.ring_first and int(plan.win_idx.max()) < W
+        ring_pos = torch.tensor([t - ((t - s) % W) for s in range(W)])  # slot -> its latest pos <= t
         got = _positions(plan, ring_pos)[0].tolist()
         want = list(range(t + 1)) + [-1] * (W - t - 1) if t < W - 1 else list(range(t - W + 1, t + 1))
         assert got == want, t
