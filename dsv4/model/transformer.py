@@ -66,19 +66,20 @@ class Block(nn.Module):
         for site in ("attn", "ffn"):
             _register_hc(self, f"hc_{site}", cfg.hc_mix, cfg.hc_mult * D, 3)
 
-    def _hc_pre(self, x: torch.Tensor, site: str):
+    def _hc_args(self, site: str, norm: RMSNorm) -> tuple:
+        # the pre's parameters at `site` and the sublayer's RMSNorm (mhc_pre_norm / mhc_post_pre_norm)
         c = self.cfg
-        return ops.mhc_pre(x, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
-                           getattr(self, f"hc_{site}_scale"), c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps,
-                           c.rms_norm_eps)
+        return (getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"), getattr(self, f"hc_{site}_scale"),
+                c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps, norm.weight, norm.eps)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, plan: StepPlan, st: BlockState, rope: Rope) -> torch.Tensor:
         # x: [B,S,hc,D] residual streams at plan.pos -> [B,S,hc,D]; the same code for a prefill chunk
-        # and the captured S = 1 decode step
-        y, post, comb = self._hc_pre(x, "attn")
-        x = ops.mhc_post(self.attn(self.attn_norm(y), plan, st, rope), x, post, comb)
-        y, post, comb = self._hc_pre(x, "ffn")
-        return ops.mhc_post(self.ffn(self.ffn_norm(y), ids), x, post, comb)
+        # and the captured S = 1 decode step. Each sublayer's input is mhc_pre then its RMSNorm; the attention's
+        # mhc_post and the FFN's pre run as one boundary op
+        y, post, comb = ops.mhc_pre_norm(x, *self._hc_args("attn", self.attn_norm))
+        f = self.attn(y, plan, st, rope)
+        x, y, post, comb = ops.mhc_post_pre_norm(f, x, post, comb, *self._hc_args("ffn", self.ffn_norm))
+        return ops.mhc_post(self.ffn(y, ids), x, post, comb)
 
 
 class MTPBlock(Block):

@@ -3,11 +3,15 @@
 mhc_pre collapses the streams into a block input (weights `pre`) and derives `post` and the
 Sinkhorn-normalised `comb`; mhc_post expands the block output back: X'_k = post_k f + sum_j comb[j,k] X_j
 (comb transposed: the contraction runs over its FIRST index). mhc_head collapses for the final norm.
+The fused forms the model runs: mhc_pre_norm (pre + the sublayer's RMSNorm) and mhc_post_pre_norm (one
+boundary: a sublayer's post, the next one's pre + RMSNorm), each the composition of the references.
 """
 
 from __future__ import annotations
 
 import torch
+
+from dsv4.ops.norm import rmsnorm_ref
 
 
 def hc_mixes(x: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
@@ -49,6 +53,22 @@ def mhc_head_ref(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     return (pre.unsqueeze(-1) * x.float()).sum(2).to(x.dtype)
 
 
+def mhc_pre_norm_ref(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int,
+                     iters: int, hc_eps: float, norm_eps: float, w: torch.Tensor, eps: float):
+    """mhc_pre, then the sublayer's RMSNorm (weight w, eps) of its input: -> (rmsnorm(y), post, comb)."""
+    y, post, comb = mhc_pre_ref(x, fn, base, scale, hc, iters, hc_eps, norm_eps)
+    return rmsnorm_ref(y, w, eps), post, comb
+
+
+def mhc_post_pre_norm_ref(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                          fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, iters: int,
+                          hc_eps: float, norm_eps: float, w: torch.Tensor, eps: float):
+    """One mHC boundary: the post of a sublayer (output f), the pre of the next and its RMSNorm:
+    -> (streams x', rmsnorm(y), post', comb')."""
+    x = mhc_post_ref(f, x, post, comb)
+    return (x, *mhc_pre_norm_ref(x, fn, base, scale, hc, iters, hc_eps, norm_eps, w, eps))
+
+
 def register_ops(register) -> None:
     try:
         from dsv4.ops import mhc_triton as fast
@@ -60,3 +80,7 @@ def register_ops(register) -> None:
              doc="mHC post: post * f + comb^T @ streams (fp32)")
     register("mhc_head", mhc_head_ref, getattr(fast, "mhc_head", None), interpretable=True,
              doc="head hyper-connection: sigmoid-weighted stream sum")
+    register("mhc_pre_norm", mhc_pre_norm_ref, getattr(fast, "mhc_pre_norm", None), interpretable=True,
+             doc="mHC pre + the sublayer's RMSNorm")
+    register("mhc_post_pre_norm", mhc_post_pre_norm_ref, getattr(fast, "mhc_post_pre_norm", None),
+             interpretable=True, doc="mHC boundary: post of one sublayer, pre + RMSNorm of the next")

@@ -10,6 +10,11 @@ mhc_pre / mhc_head take two launches per call, whatever the token count T:
    column first, then iters-1 x (row, column), every division by sum + hc_eps), then the weighted stream
    sum y = sum_j pre_j X_j for its D-slice. Program (t, 0) writes post and comb.
 mhc_post is one launch: out_k = sum_j comb[j,k] X_j + post_k f, fp32, cast to the streams' dtype.
+The fused forms (what the model runs), two launches each:
+- mhc_pre_norm: `_mix_partial`, then `_pre_norm_finish`: one program per token does the finish over its
+  whole row and the sublayer's RMSNorm of y (y rounded to the streams' dtype first, as mhc_pre returns it);
+- mhc_post_pre_norm: `_post_partial` writes the post's columns of every stream and, from the stored values,
+  the next pre's partials (K sliced by columns: HC x BLOCK_K/HC per program); then `_pre_norm_finish`.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.ops.triton_util import cast
+from dsv4.ops.triton_util import cast, round_to
 
 BLOCK_K = 512
 BLOCK_D = 512
@@ -63,29 +68,60 @@ def _weighted_sum(x_ptr, y_ptr, pre, t, D, HC: tl.constexpr, BLOCK: tl.constexpr
 
 
 @triton.jit
+def _pre_weights(part_ptr, sq_ptr, base_ptr, scale_ptr, t, K, NCH, hc_eps, norm_eps,
+                 HC: tl.constexpr, MIX_P: tl.constexpr, NCH_P: tl.constexpr):
+    m_pre = _mixes(part_ptr, sq_ptr, t, K, NCH, norm_eps, 0, HC, MIX_P, NCH_P)
+    return tl.sigmoid(m_pre * tl.load(scale_ptr) + tl.load(base_ptr + tl.arange(0, HC))) + hc_eps
+
+
+@triton.jit
+def _post_comb(part_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, t, K, NCH, iters, hc_eps, norm_eps,
+               HC: tl.constexpr, MIX_P: tl.constexpr, NCH_P: tl.constexpr):
+    # token t's post and its Sinkhorn-normalised comb, stored
+    j = tl.arange(0, HC)
+    m_post = _mixes(part_ptr, sq_ptr, t, K, NCH, norm_eps, HC, HC, MIX_P, NCH_P)
+    post = 2.0 * tl.sigmoid(m_post * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + j))
+    tl.store(post_ptr + t * HC + j, post)
+    m_c = _mixes(part_ptr, sq_ptr, t, K, NCH, norm_eps, 2 * HC, HC * HC, MIX_P, NCH_P)
+    cc = tl.reshape(m_c * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC + tl.arange(0, HC * HC)), (HC, HC))
+    e = tl.exp(cc - tl.max(cc, axis=1)[:, None])
+    comb = e / tl.sum(e, axis=1)[:, None] + hc_eps
+    comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)  # column normalisation first
+    for _ in range(iters - 1):
+        comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
+        comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+    tl.store(comb_ptr + t * HC * HC + j[:, None] * HC + j[None, :], comb)
+
+
+@triton.jit
 def _pre_finish(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, y_ptr, post_ptr, comb_ptr, D, K, NCH, iters,
                 hc_eps, norm_eps, HC: tl.constexpr, MIX_P: tl.constexpr, NCH_P: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0)
-    j = tl.arange(0, HC)
-    s0 = tl.load(scale_ptr)
-    s1 = tl.load(scale_ptr + 1)
-    s2 = tl.load(scale_ptr + 2)
-    m_pre = _mixes(part_ptr, sq_ptr, t, K, NCH, norm_eps, 0, HC, MIX_P, NCH_P)
-    pre = tl.sigmoid(m_pre * s0 + tl.load(base_ptr + j)) + hc_eps
+    pre = _pre_weights(part_ptr, sq_ptr, base_ptr, scale_ptr, t, K, NCH, hc_eps, norm_eps, HC, MIX_P, NCH_P)
     if tl.program_id(1) == 0:
-        m_post = _mixes(part_ptr, sq_ptr, t, K, NCH, norm_eps, HC, HC, MIX_P, NCH_P)
-        post = 2.0 * tl.sigmoid(m_post * s1 + tl.load(base_ptr + HC + j))
-        tl.store(post_ptr + t * HC + j, post)
-        m_c = _mixes(part_ptr, sq_ptr, t, K, NCH, norm_eps, 2 * HC, HC * HC, MIX_P, NCH_P)
-        cc = tl.reshape(m_c * s2 + tl.load(base_ptr + 2 * HC + tl.arange(0, HC * HC)), (HC, HC))
-        e = tl.exp(cc - tl.max(cc, axis=1)[:, None])
-        comb = e / tl.sum(e, axis=1)[:, None] + hc_eps
-        comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)  # column normalisation first
-        for _ in range(iters - 1):
-            comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
-            comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
-        tl.store(comb_ptr + t * HC * HC + j[:, None] * HC + j[None, :], comb)
+        _post_comb(part_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, t, K, NCH, iters, hc_eps, norm_eps,
+                   HC, MIX_P, NCH_P)
     _weighted_sum(x_ptr, y_ptr, pre, t, D, HC, BLOCK)
+
+
+@triton.jit
+def _pre_norm_finish(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, w_ptr, y_ptr, post_ptr, comb_ptr, D, K, NCH,
+                     iters, hc_eps, norm_eps, eps, HC: tl.constexpr, MIX_P: tl.constexpr, NCH_P: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    # one program per token and its whole row: post, comb, y = sum_j pre_j X_j rounded to the streams' dtype
+    # (the y mhc_pre returns), then the RMSNorm of that y (rmsnorm's statistic and scaling)
+    t = tl.program_id(0)
+    pre = _pre_weights(part_ptr, sq_ptr, base_ptr, scale_ptr, t, K, NCH, hc_eps, norm_eps, HC, MIX_P, NCH_P)
+    _post_comb(part_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, t, K, NCH, iters, hc_eps, norm_eps,
+               HC, MIX_P, NCH_P)
+    d = tl.arange(0, BLOCK)
+    dm = d < D
+    j = tl.arange(0, HC)
+    x = tl.load(x_ptr + (t * HC + j[:, None]) * D + d[None, :], mask=dm[None, :], other=0.0).to(tl.float32)
+    y = round_to(tl.sum(pre[:, None] * x, axis=0), y_ptr.dtype.element_ty)
+    y = y * (1.0 / tl.sqrt(tl.sum(y * y, axis=0) / D + eps))
+    w = tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)
+    tl.store(y_ptr + t * D + d, cast(w * y, y_ptr.dtype.element_ty), mask=dm)
 
 
 @triton.jit
@@ -112,6 +148,35 @@ def _post_kernel(f_ptr, x_ptr, post_ptr, comb_ptr, o_ptr, D, HC: tl.constexpr, B
     f = tl.load(f_ptr + t * D + d, mask=dm, other=0.0).to(tl.float32)
     out = acc + tl.load(post_ptr + t * HC + k)[:, None] * f[None, :]
     tl.store(o_ptr + (t * HC + k[:, None]) * D + d[None, :], cast(out, o_ptr.dtype.element_ty), mask=dm[None, :])
+
+
+@triton.jit
+def _post_partial(f_ptr, x_ptr, post_ptr, comb_ptr, o_ptr, fn_ptr, part_ptr, sq_ptr, D, K, NCH,
+                  HC: tl.constexpr, MIX: tl.constexpr, MIX_P: tl.constexpr, BLOCK: tl.constexpr):
+    # program (t, c): _post_kernel's columns d in [c*BLOCK, (c+1)*BLOCK) of every stream, stored; then, from the
+    # stored values, the next pre's partial mixes and sum of squares over those HC*BLOCK elements of K
+    t = tl.program_id(0)
+    c = tl.program_id(1)
+    d = c * BLOCK + tl.arange(0, BLOCK)
+    dm = d < D
+    k = tl.arange(0, HC)
+    acc = tl.zeros((HC, BLOCK), dtype=tl.float32)
+    for jj in tl.static_range(HC):
+        xj = tl.load(x_ptr + (t * HC + jj) * D + d, mask=dm, other=0.0).to(tl.float32)
+        cj = tl.load(comb_ptr + (t * HC + jj) * HC + k)  # comb[j, :]
+        acc += cj[:, None] * xj[None, :]
+    f = tl.load(f_ptr + t * D + d, mask=dm, other=0.0).to(tl.float32)
+    out = round_to(acc + tl.load(post_ptr + t * HC + k)[:, None] * f[None, :], o_ptr.dtype.element_ty)
+    tl.store(o_ptr + (t * HC + k[:, None]) * D + d[None, :], out.to(o_ptr.dtype.element_ty), mask=dm[None, :])
+    rows = tl.arange(0, MIX_P)
+    dots = tl.zeros((MIX_P,), dtype=tl.float32)
+    for jj in tl.static_range(HC):
+        xo = tl.sum(tl.where(k[:, None] == jj, out, 0.0), axis=0)  # stream jj (the other rows add exact zeros)
+        w = tl.load(fn_ptr + rows[:, None] * K + jj * D + d[None, :], mask=(rows[:, None] < MIX) & dm[None, :],
+                    other=0.0)
+        dots += tl.sum(w * xo[None, :], axis=1)
+    tl.store(part_ptr + (t * NCH + c) * MIX_P + rows, dots)
+    tl.store(sq_ptr + t * NCH + c, tl.sum(tl.sum(out * out, axis=1), axis=0))
 
 
 def _check(x: torch.Tensor, fn: torch.Tensor, hc: int, mix: int, name: str) -> None:
@@ -151,6 +216,57 @@ def mhc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
         x, part, sq, base.float().contiguous(), scale.float().contiguous(), y, post, comb, D, K, nch, iters,
         hc_eps, norm_eps, HC=hc, MIX_P=mix_p, NCH_P=triton.next_power_of_2(nch), BLOCK=BLOCK_D)
     return y, post, comb
+
+
+def _finish_norm(x, part, sq, nch, mix_p, base, scale, w, hc, iters, hc_eps, norm_eps, eps):
+    B, S, _, D = x.shape
+    if tuple(w.shape) != (D,):
+        raise ValueError(f"mhc norm: weight {tuple(w.shape)} does not match D={D}")
+    y = torch.empty(B, S, D, dtype=x.dtype, device=x.device)
+    post = torch.empty(B, S, hc, dtype=torch.float32, device=x.device)
+    comb = torch.empty(B, S, hc, hc, dtype=torch.float32, device=x.device)
+    opts = {"num_warps": 8} if x.is_cuda else {}
+    _pre_norm_finish[(B * S,)](
+        x, part, sq, base.float().contiguous(), scale.float().contiguous(), w.contiguous(), y, post, comb, D, hc * D,
+        nch, iters, hc_eps, norm_eps, eps, HC=hc, MIX_P=mix_p, NCH_P=triton.next_power_of_2(nch),
+        BLOCK=triton.next_power_of_2(D), **opts)
+    return y, post, comb
+
+
+def mhc_pre_norm(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, iters: int,
+                 hc_eps: float, norm_eps: float, w: torch.Tensor, eps: float):
+    """mhc_pre + RMSNorm(w, eps) of y -> (normed y [B,S,D] in x.dtype, post, comb): two launches."""
+    mix = (2 + hc) * hc
+    _check(x, fn, hc, mix, "mhc_pre_norm")
+    if iters < 1:
+        raise ValueError(f"mhc_pre_norm: iters must be >= 1, got {iters}")
+    x = x.contiguous()
+    _, _, nch, mix_p, part, sq = _partials(x, fn.contiguous(), mix)
+    return _finish_norm(x, part, sq, nch, mix_p, base, scale, w, hc, iters, hc_eps, norm_eps, eps)
+
+
+def mhc_post_pre_norm(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
+                      base: torch.Tensor, scale: torch.Tensor, hc: int, iters: int, hc_eps: float, norm_eps: float,
+                      w: torch.Tensor, eps: float):
+    """One boundary: mhc_post, then mhc_pre_norm of the new streams -> (streams, normed y, post', comb'). Two
+    launches: the post with the next pre's partial mixes (from the stored streams), then the finish + RMSNorm."""
+    mix = (2 + hc) * hc
+    _check(x, fn, hc, mix, "mhc_post_pre_norm")
+    if f.shape != x.shape[:2] + x.shape[3:]:
+        raise ValueError(f"mhc_post_pre_norm: f {tuple(f.shape)} and x {tuple(x.shape)} must be [B,S,D] and [B,S,hc,D]")
+    if iters < 1:
+        raise ValueError(f"mhc_post_pre_norm: iters must be >= 1, got {iters}")
+    B, S, _, D = x.shape
+    x, f = x.contiguous(), f.contiguous()
+    out = torch.empty_like(x)
+    block = max(BLOCK_K // hc, 16)
+    nch = triton.cdiv(D, block)
+    mix_p = triton.next_power_of_2(mix)
+    part = torch.empty(B * S, nch, mix_p, dtype=torch.float32, device=x.device)
+    sq = torch.empty(B * S, nch, dtype=torch.float32, device=x.device)
+    _post_partial[(B * S, nch)](f, x, post.float().contiguous(), comb.float().contiguous(), out, fn.contiguous(), part,
+                                sq, D, hc * D, nch, HC=hc, MIX=mix, MIX_P=mix_p, BLOCK=block)
+    return (out, *_finish_norm(out, part, sq, nch, mix_p, base, scale, w, hc, iters, hc_eps, norm_eps, eps))
 
 
 def mhc_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,

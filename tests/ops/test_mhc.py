@@ -42,6 +42,33 @@ def _check_pre(B, S, D, dev, dtype=torch.bfloat16):
     assert_close_rel(fast.mhc_post(f, x, rpost, rcomb), mhc_post_ref(f, x, rpost, rcomb), out_name)
 
 
+def _check_fused(B, S, D, dev, dtype=torch.bfloat16):
+    # the fused boundary ops against the composition of the references
+    from dsv4.ops.mhc import mhc_post_pre_norm_ref, mhc_pre_norm_ref
+
+    fast = _fast()
+    x, fn, base, scale = _inputs(B, S, D, dev, dtype, seed=3 * D + S)
+    g = torch.Generator().manual_seed(D)
+    w = (1 + 0.3 * torch.randn(D, generator=g)).to(torch.bfloat16).to(dev)
+    args = (fn, base, scale, 4, 20, 1e-6, 1e-6, w, 1e-6)
+    out_name = "op_fp32_out" if dtype == torch.float32 else "op_bf16_out"
+    got, want = fast.mhc_pre_norm(x, *args), mhc_pre_norm_ref(x, *args)
+    for a, b, name in zip(got, want, (out_name, "op_fp32_out", "op_fp32_out")):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert_close_rel(a, b, name)
+    f = torch.randn(B, S, D, generator=g).to(dtype).to(dev)
+    _, post, comb = want
+    got = fast.mhc_post_pre_norm(f, x, post, comb, *args)
+    # the streams: mhc_post's bit for bit (same per-element arithmetic), the reference's within rounding
+    assert torch.equal(got[0], fast.mhc_post(f, x, post, comb))
+    assert_close_rel(got[0], mhc_post_pre_norm_ref(f, x, post, comb, *args)[0], out_name)
+    # the pre + norm of those streams (one ulp apart in a stream moves comb after 20 Sinkhorn rounds, so the
+    # pre is held to the reference on the streams the kernel wrote, as ab_compare feeds every op)
+    for a, b, name in zip(got[1:], mhc_pre_norm_ref(got[0], *args), (out_name, "op_fp32_out", "op_fp32_out")):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert_close_rel(a, b, name)
+
+
 def _check_head(B, S, D, dev):
     from dsv4.ops.mhc import mhc_head_ref
 
@@ -62,12 +89,36 @@ def test_interpreted_small(B, S, D):
     _check_head(B, S, D, "cpu")
 
 
+@pytest.mark.skipif(CUDA, reason="the interpreted tier runs where there is no GPU")
+@pytest.mark.parametrize("B,S,D", [(1, 1, 64), (1, 3, 96), (2, 2, 200)])
+def test_interpreted_fused_boundary(B, S, D):
+    # D = 96 / 200: partial column blocks (128 columns per program) and a row padded to a power of two
+    _check_fused(B, S, D, "cpu")
+    _check_fused(B, S, D, "cpu", torch.float32)
+
+
+def test_fused_references_compose_the_ops():
+    from dsv4.ops.mhc import mhc_post_pre_norm_ref, mhc_post_ref, mhc_pre_norm_ref, mhc_pre_ref
+    from dsv4.ops.norm import rmsnorm_ref
+
+    x, fn, base, scale = _inputs(1, 2, 64, "cpu", seed=9)
+    w, f = torch.rand(64).bfloat16(), torch.randn(1, 2, 64).bfloat16()
+    y, post, comb = mhc_pre_ref(x, fn, base, scale, 4, 20, 1e-6, 1e-6)
+    yn = mhc_pre_norm_ref(x, fn, base, scale, 4, 20, 1e-6, 1e-6, w, 1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(yn, (rmsnorm_ref(y, w, 1e-6), post, comb)))
+    x2 = mhc_post_ref(f, x, post, comb)
+    got = mhc_post_pre_norm_ref(f, x, post, comb, fn, base, scale, 4, 20, 1e-6, 1e-6, w, 1e-6)
+    want = (x2, *mhc_pre_norm_ref(x2, fn, base, scale, 4, 20, 1e-6, 1e-6, w, 1e-6))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("S", [1, 4, 128, 37])
 def test_flash_shapes(S):
     _check_pre(1, S, 4096, "cuda")
     _check_head(1, S, 4096, "cuda")
+    _check_fused(1, S, 4096, "cuda")
 
 
 @pytest.mark.gpu
@@ -80,4 +131,10 @@ def test_graph_replay_equals_eager():
     from dsv4.testing import graph_replay
 
     want, out = graph_replay(step)
+    assert torch.equal(out, want)
+    w = torch.rand(4096, device="cuda").to(torch.bfloat16)
+    _, post, comb = fast.mhc_pre(x, fn, base, scale, 4, 20, 1e-6, 1e-6)
+    args = (fn, base, scale, 4, 20, 1e-6, 1e-6, w, 1e-6)
+    fused = lambda: torch.cat([t.float().flatten() for t in fast.mhc_post_pre_norm(f, x, post, comb, *args)])  # noqa: E731
+    want, out = graph_replay(fused)
     assert torch.equal(out, want)
