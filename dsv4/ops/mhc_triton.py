@@ -135,10 +135,8 @@ def _head_finish(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, y_ptr, D, K, NCH,
 
 
 @triton.jit
-def _post_kernel(f_ptr, x_ptr, post_ptr, comb_ptr, o_ptr, D, HC: tl.constexpr, BLOCK: tl.constexpr):
-    t = tl.program_id(0)
-    d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    dm = d < D
+def _post_block(f_ptr, x_ptr, post_ptr, comb_ptr, t, d, dm, D, HC: tl.constexpr, BLOCK: tl.constexpr):
+    # token t's new streams at columns d, fp32 [HC, BLOCK]: sum_j comb[j, k] X_j + post_k f
     k = tl.arange(0, HC)
     acc = tl.zeros((HC, BLOCK), dtype=tl.float32)
     for jj in tl.static_range(HC):
@@ -146,7 +144,16 @@ def _post_kernel(f_ptr, x_ptr, post_ptr, comb_ptr, o_ptr, D, HC: tl.constexpr, B
         cj = tl.load(comb_ptr + (t * HC + jj) * HC + k)  # comb[j, :]
         acc += cj[:, None] * xj[None, :]
     f = tl.load(f_ptr + t * D + d, mask=dm, other=0.0).to(tl.float32)
-    out = acc + tl.load(post_ptr + t * HC + k)[:, None] * f[None, :]
+    return acc + tl.load(post_ptr + t * HC + k)[:, None] * f[None, :]
+
+
+@triton.jit
+def _post_kernel(f_ptr, x_ptr, post_ptr, comb_ptr, o_ptr, D, HC: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    dm = d < D
+    k = tl.arange(0, HC)
+    out = _post_block(f_ptr, x_ptr, post_ptr, comb_ptr, t, d, dm, D, HC, BLOCK)
     tl.store(o_ptr + (t * HC + k[:, None]) * D + d[None, :], cast(out, o_ptr.dtype.element_ty), mask=dm[None, :])
 
 
@@ -160,13 +167,7 @@ def _post_partial(f_ptr, x_ptr, post_ptr, comb_ptr, o_ptr, fn_ptr, part_ptr, sq_
     d = c * BLOCK + tl.arange(0, BLOCK)
     dm = d < D
     k = tl.arange(0, HC)
-    acc = tl.zeros((HC, BLOCK), dtype=tl.float32)
-    for jj in tl.static_range(HC):
-        xj = tl.load(x_ptr + (t * HC + jj) * D + d, mask=dm, other=0.0).to(tl.float32)
-        cj = tl.load(comb_ptr + (t * HC + jj) * HC + k)  # comb[j, :]
-        acc += cj[:, None] * xj[None, :]
-    f = tl.load(f_ptr + t * D + d, mask=dm, other=0.0).to(tl.float32)
-    out = round_to(acc + tl.load(post_ptr + t * HC + k)[:, None] * f[None, :], o_ptr.dtype.element_ty)
+    out = round_to(_post_block(f_ptr, x_ptr, post_ptr, comb_ptr, t, d, dm, D, HC, BLOCK), o_ptr.dtype.element_ty)
     tl.store(o_ptr + (t * HC + k[:, None]) * D + d[None, :], out.to(o_ptr.dtype.element_ty), mask=dm[None, :])
     rows = tl.arange(0, MIX_P)
     dots = tl.zeros((MIX_P,), dtype=tl.float32)
