@@ -90,6 +90,9 @@ class DecodeRunner:
                 with torch.no_grad(), torch.cuda.graph(g, pool=pools.get(dev), stream=streams[dev]):
                     out = fn()
                 pools.setdefault(dev, g.pool())
+                # run it once: the tensors its capture made hold nothing until a replay, and the next pieces'
+                # warm-ups read some of them (the step plan the device's first layer builds)
+                g.replay()
                 self.graphs[key] = g
                 self._bind(key, out)
         torch.cuda.synchronize()

@@ -89,8 +89,9 @@ class Attention(nn.Module):
         kv_comp = idx_comp = None
         if self.compressor is not None:
             comp = st.compressor
-            # fp32 projections of the input (SPEC §5.16: fp32 weights and input; x holds bf16 values, whose
-            # products a bf16 GEMM with fp32 accumulation computes exactly), all of the layer's in one GEMM
+            # fp32 projections of the input (SPEC §5.16: fp32 weights and input), all of the layer's in one GEMM
+            # on x as it is: its values are exact in its dtype (bf16 activations: bf16 products, exact in the
+            # fp32 accumulation), so no fp32 copy is made
             proj = self.compress_proj(x, torch.float32)
             self.compressor(proj[0], proj[1], plan, comp, rope)
             n = plan.n_entries(self.spec.ratio, comp.entries.shape[1] - 1)

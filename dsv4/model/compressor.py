@@ -2,7 +2,7 @@
 
 HCA (ratio != 4): softmax over the window's tokens, per channel, of gate+ape scores. CSA (ratio 4):
 overlapping windows of width 8, stride 4: the previous window's first halves (A) join the current
-window's second halves (B). Projections are fp32 (the attention runs them, fused, on the bf16 input);
+window's second halves (B). Projections are fp32 (the attention runs them, fused, on its input);
 pooling, norm, RoPE at position w*ratio, quantization simulation and the insert are `ops.compressor`,
 which works on chunks of any length with boundaries anywhere (incomplete windows live in the state).
 """

@@ -194,8 +194,9 @@ class StepPlan:
     slots, as rows of cat(ring, chunk kv) (ring slot p % W for p < start, W + p - start for the
     chunk); a one-token step (decode) lists ring slots only, p % W, as its kv goes to its slot
     first (`ring_first`: the slot held position p - W, which its window no longer covers). win_len is
-    W, except for a first chunk (start 0, S > 1), where DeepSeek's prefill uses min(S, W). A decode step (S = 1) has static sizes: `end` is None and every compressed-entry
-    list covers the whole entries buffer; a prefill chunk knows its end position on the host.
+    W, except for a first chunk (start 0, S > 1), where DeepSeek's prefill uses min(S, W). A decode
+    step (S = 1) has static sizes: `end` is None and every compressed-entry list covers the whole
+    entries buffer; a prefill chunk knows its end position on the host.
     """
 
     start: torch.Tensor

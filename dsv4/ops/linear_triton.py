@@ -417,8 +417,8 @@ def _mm_config(fmt: str, M: int, N: int, K: int, G: int, sms: int, dot: int):
     FP8 dot, 3 otherwise (shared memory). Split-K (SPLIT programs share a tile's K): 2 for quantized weights
     with >= 32 blocks of K on fewer than 2 tiles per SM (wo_b, wq_a || wkv, shared w1); dense weights (more
     MMA work per weight byte: split bf16 dots) up to 8 while each split keeps >= 4 blocks of K and there are
-    <= 4 programs per SM; bf16 weights on bf16 x (one dot per tile; the compressor projections at M = 32 / 128)
-    while there are <= 1 program per SM, with 4 stages on 64 x 64 tiles."""
+    <= 4 programs per SM; bf16 weights on bf16 x on 64 x 64 tiles (one dot per tile; swept on the compressor
+    projections at M = 32 / 128) while there are <= 1 program per SM, with 4 stages."""
     if M <= 16:
         BM = max(4, triton.next_power_of_2(M))  # 1-2 rows ran slower than 4 (padded rows are masked)
         BN = 128
@@ -434,7 +434,7 @@ def _mm_config(fmt: str, M: int, N: int, K: int, G: int, sms: int, dot: int):
     kb = triton.cdiv(K, 128)
     split = 1
     if tiles <= MAX_SPLIT_TILES:
-        if fmt == "dense" and dot == _DOT_BF16:  # one bf16 dot per weight tile: programs up to one per SM
+        if fmt == "dense" and dot == _DOT_BF16 and BM == 64:  # one bf16 dot per 64 x 64 tile: <= 1 program / SM
             while split < 8 and kb >= 4 * 2 * split and tiles * 2 * split <= sms:
                 split *= 2
         elif fmt == "dense":

@@ -97,21 +97,6 @@ def test_interpreted_fused_boundary(B, S, D):
     _check_fused(B, S, D, "cpu", torch.float32)
 
 
-def test_fused_references_compose_the_ops():
-    from dsv4.ops.mhc import mhc_post_pre_norm_ref, mhc_post_ref, mhc_pre_norm_ref, mhc_pre_ref
-    from dsv4.ops.norm import rmsnorm_ref
-
-    x, fn, base, scale = _inputs(1, 2, 64, "cpu", seed=9)
-    w, f = torch.rand(64).bfloat16(), torch.randn(1, 2, 64).bfloat16()
-    y, post, comb = mhc_pre_ref(x, fn, base, scale, 4, 20, 1e-6, 1e-6)
-    yn = mhc_pre_norm_ref(x, fn, base, scale, 4, 20, 1e-6, 1e-6, w, 1e-6)
-    assert all(torch.equal(a, b) for a, b in zip(yn, (rmsnorm_ref(y, w, 1e-6), post, comb)))
-    x2 = mhc_post_ref(f, x, post, comb)
-    got = mhc_post_pre_norm_ref(f, x, post, comb, fn, base, scale, 4, 20, 1e-6, 1e-6, w, 1e-6)
-    want = (x2, *mhc_pre_norm_ref(x2, fn, base, scale, 4, 20, 1e-6, 1e-6, w, 1e-6))
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("S", [1, 4, 128, 37])
