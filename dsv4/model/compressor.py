@@ -32,8 +32,8 @@ class Compressor(nn.Module):
 
     def forward(self, c: torch.Tensor, g: torch.Tensor, plan: StepPlan, st: CompressorState, rope: Rope) -> None:
         # c = wkv(x), g = wgate(x): [B,S,coff*d] fp32 projections of the attn_norm output (SPEC §5.16; the
-        # attention runs them fused, exact products of its bf16 values) at plan.pos: emits the entries of the windows
-        # that close into st.entries and keeps the open window (and CSA's previous one) in st.kv / st.score
+        # attention runs them fused) at plan.pos: emits the entries of the windows that close into st.entries
+        # and keeps the open window (and CSA's previous one) in st.kv / st.score
         quant = ("fp4" if self.rotate else "fp8") if self.numerics.reference else None
         ops.compressor(c, g, self.ape, self.norm.weight, self.norm.eps, rope.cos, rope.sin, st.kv, st.score,
                        st.entries, plan.start, self.ratio, self.overlap, quant)

@@ -31,9 +31,8 @@ class Indexer(nn.Module):
 
     def forward(self, q: torch.Tensor, w: torch.Tensor, plan: StepPlan, st: CompressorState, rope: Rope,
                 n: int, n_vis: torch.Tensor, c: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        # q = wq_b(qr): [B,S,H*d]; w = weights_proj(x): [B,S,H] fp32; c/g: its
-        # compressor's projections of x (the attention runs all of them fused) -> [B,S,min(topk, n)] int32 entry
-        # indices (-1 = none)
+        # q = wq_b(qr): [B,S,H*d]; w = weights_proj(x): [B,S,H] fp32; c/g: its compressor's projections of x
+        # (the attention runs all of them fused) -> [B,S,min(topk, n)] int32 entry indices (-1 = none)
         self.compressor(c, g, plan, st, rope)
         cos, sin = plan.rope(rope)
         q = ops.rope(q.unflatten(-1, (self.n_heads, self.dim)), cos, sin, False)  # [B,S,H,d]

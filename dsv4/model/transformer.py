@@ -230,11 +230,11 @@ class Transformer(nn.Module):
             # everything now: a later layer's graph must not compute any of it
             for kind in dict.fromkeys(lay.spec.rope for lay in self.layers):
                 plan.rope(self.rope(kind, dev))
-            for spec in dict.fromkeys((lay.spec.ratio, lay.spec.has_indexer) for lay in self.layers):
-                if spec[0] > 0:
-                    plan.n_visible(spec[0])
-                    if not spec[1]:  # decode lists cover the whole entries buffer
-                        plan.prefix_idx(spec[0], plan.n_entries(spec[0], st.max_len // spec[0]))
+            for ratio, has_indexer in dict.fromkeys((lay.spec.ratio, lay.spec.has_indexer) for lay in self.layers):
+                if ratio > 0:
+                    plan.n_visible(ratio)
+                    if not has_indexer:  # HCA: decode lists cover the whole entries buffer
+                        plan.prefix_idx(ratio, plan.n_entries(ratio, st.max_len // ratio))
             self._step_plans[dev] = (pos.data_ptr(), plan)
         plan = self._step_plans[dev][1]
         return layer(x, ids, plan, st, self.rope(layer.spec.rope, dev))

@@ -120,6 +120,8 @@ def test_graph_replay_equals_eager():
     w = torch.rand(4096, device="cuda").to(torch.bfloat16)
     _, post, comb = fast.mhc_pre(x, fn, base, scale, 4, 20, 1e-6, 1e-6)
     args = (fn, base, scale, 4, 20, 1e-6, 1e-6, w, 1e-6)
-    fused = lambda: torch.cat([t.float().flatten() for t in fast.mhc_post_pre_norm(f, x, post, comb, *args)])  # noqa: E731
+    def fused():
+        return torch.cat([t.float().flatten() for t in fast.mhc_post_pre_norm(f, x, post, comb, *args)])
+
     want, out = graph_replay(fused)
     assert torch.equal(out, want)
