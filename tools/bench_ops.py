@@ -99,11 +99,16 @@ def build_cases(dev):
         if fmt in ("fp8", "dense") and triton_linear is not None:  # the Triton kernels beside the CUDA ones, same run
             cases[name + ".triton"] = ("linear", make, triton_linear)
 
-    def make_wo_a(M):
-        wo = randn(8, 1024, 4096, std=4096 ** -0.5, dtype=torch.bfloat16)
+    def make_wo_a(M, fp8=True):
+        # the FP8 weight (power-of-two scales) and its bf16 twin; the bytes of the weight the fast path reads: the FP8
+        # one in the decode GEMV (M <= 8), else the bf16 one (cuBLAS)
+        w8 = prepare_linear(formats.Fp8BlockWeight.quantize(randn(8 * 1024, 4096, std=4096 ** -0.5)))
+        wo = w8.dequantize().to(torch.bfloat16).unflatten(0, (8, 1024))
         o = randn(M, 8, 4096, dtype=torch.bfloat16)
-        return (o, wo), _nbytes(wo, o) + M * 8 * 1024 * 2
+        read = w8.nbytes() if fp8 and M <= 8 else _nbytes(wo)
+        return (o, wo, w8 if fp8 else None), read + _nbytes(o) + M * 8 * 1024 * 2
     cases["wo_a"] = ("wo_a", make_wo_a)
+    cases["wo_a.bf16"] = ("wo_a", lambda M: make_wo_a(M, fp8=False))
 
     head = randn(129280, 4096, std=4096 ** -0.5, dtype=torch.bfloat16)
     ph = PreparedLinear("dense", 129280, 4096, head)
@@ -242,25 +247,36 @@ def sweep_gemv(args, cases, ms, bw, dev) -> int:
     fmts = {c[0]: c[1] for c in LINEARS}
     results = []
     for name, (op_name, make, *_) in cases.items():
-        if op_name != "linear" or fmts.get(name) not in ("fp8", "dense"):
+        grouped = name == "wo_a"  # the grouped GEMV on wo_a's FP8 weight, bf16 x (format "fp8_bf16")
+        if not grouped and (op_name != "linear" or fmts.get(name) not in ("fp8", "dense")):
             continue
         for M in (m for m in ms if m <= linear_cuda.MAX_M):
             first, moved = make(M)
             sets = [first] + [make(M)[0] for _ in range(copies_needed(moved, dev) - 1)]
-            x0, w0, aq, odt = first
-            xf32 = x0.dtype == torch.float32
+            if grouped:
+                o0, _, w0 = first
+                fmt, xf32, odt, groups = "fp8_bf16", False, torch.bfloat16, o0.shape[1]
+                sets = [(a[0].reshape(M, -1), a[2]) for a in sets]
+                tri = None  # (the wo_a case of the plain table times the bf16 alternatives)
+            else:
+                x0, w0, aq, odt = first
+                fmt, xf32 = w0.fmt, x0.dtype == torch.float32
+                tri, _ = time_us([lambda a=a: linear_triton.linear(*a) for a in sets], args.calls, args.reps)
             outs = [torch.empty(M, w0.n, dtype=odt, device=dev) for _ in sets]
-            chosen = linear_cuda.config(w0.fmt, xf32, M, w0.n, w0.k)
-            tri, _ = time_us([lambda a=a: linear_triton.linear(*a) for a in sets], args.calls, args.reps)
+            chosen = linear_cuda.config(fmt, xf32, M, w0.n, w0.k)
             line = {"case": name, "M": M, "bytes": moved, "triton_us": tri, "chosen": chosen and list(chosen),
                     "configs": []}
-            for cfg in linear_cuda.candidates(w0.fmt, xf32, M, w0.n, w0.k):
-                us, _ = time_us([lambda a=a, o=o, c=cfg: linear_cuda.gemv(a[0], a[1], o, c)
-                                 for a, o in zip(sets, outs)], args.calls, args.reps)
+            for cfg in linear_cuda.candidates(fmt, xf32, M, w0.n, w0.k):
+                if grouped:
+                    calls = [lambda a=a, o=o, c=cfg: linear_cuda.wo_a(a[0], a[1], groups, o, c) for a, o in zip(sets, outs)]
+                else:
+                    calls = [lambda a=a, o=o, c=cfg: linear_cuda.gemv(a[0], a[1], o, c) for a, o in zip(sets, outs)]
+                us, _ = time_us(calls, args.calls, args.reps)
                 line["configs"].append({"cfg": list(cfg), "us": us, "pct_copy_bw": 100 * moved / (us * 1e-6) / 1e9 / bw})
             best, mine = _best_and_chosen(line["configs"], chosen)
             mine_s = f"{mine['us']:6.1f} us ({mine['pct_copy_bw']:.0f}%)" if mine else "(Triton)"
-            print(f"{name:16s} M={M} {moved / 1e6:7.2f} MB  triton {tri:6.1f} us  chosen {chosen} {mine_s}  "
+            tri_s = f"{tri:6.1f} us" if tri is not None else "     -   "
+            print(f"{name:16s} M={M} {moved / 1e6:7.2f} MB  triton {tri_s}  chosen {chosen} {mine_s}  "
                   f"best {tuple(best['cfg'])} {best['us']:6.1f} us ({best['pct_copy_bw']:.0f}%)")
             print("    " + "  ".join(f"{tuple(r['cfg'])}:{r['us']:.1f}" for r in line["configs"]))
             results.append(line)
@@ -317,7 +333,7 @@ def main(argv=None) -> int:
 
     if args.list:
         names = ([c[0] for c in LINEARS] + [c[0] + ".triton" for c in LINEARS if c[1] in ("fp8", "dense")]
-                 + ["wo_a", "head", "moe_experts", "moe_experts.triton", "router"])
+                 + ["wo_a", "wo_a.bf16", "head", "moe_experts", "moe_experts.triton", "router"])
         print("\n".join(names))
         return 0
     if not torch.cuda.is_available():

@@ -17,6 +17,7 @@ from dsv4.config import LayerSpec, ModelConfig
 from dsv4.model.compressor import Compressor
 from dsv4.model.indexer import Indexer
 from dsv4.model.layers import FusedLinear, Linear, Numerics, RMSNorm, Rope, StepPlan
+from dsv4.ops.linear import PreparedLinear, pow2_scales
 from dsv4.state import BlockState
 
 
@@ -43,7 +44,7 @@ class Attention(nn.Module):
             self.compressor = Compressor(D, hd, spec.ratio, spec.overlap, cfg.rms_norm_eps, numerics, rotate=False)
         if spec.has_indexer:
             self.indexer = Indexer(cfg, spec.ratio, numerics, fmt, **fmt_opts)
-        self._wo_a: tuple | None = None  # (key, [G, o_lora, group_in] weight in the activation dtype)
+        self._wo_a: tuple | None = None  # (key, ([G, o_lora, group_in] in the activation dtype, FP8 twin | None))
         # same-input projections, one GEMM each: wq_a || wkv (x); wq_b || the indexer's wq_b (qr); every
         # compressor's wkv || wgate || the indexer's weights_proj (x, fp32 out)
         self.qkv_a = FusedLinear([self.wq_a, self.wkv])
@@ -57,14 +58,18 @@ class Attention(nn.Module):
             if f is not None:
                 f.prepared()
 
-    def wo_a_grouped(self) -> torch.Tensor:
-        """wo_a dequantized once to the activation dtype as [G, o_lora, group_in] (what DeepSeek's
-        convert.py does), re-made only when the stored weight changes."""
+    def wo_a_grouped(self) -> tuple[torch.Tensor, PreparedLinear | None]:
+        """wo_a dequantized once to the activation dtype as [G, o_lora, group_in] (what DeepSeek's convert.py does),
+        and the stored FP8 weight where it holds exactly those values (power-of-two block scales, bf16 activations:
+        the fast op reads its half-size bytes), else None; re-made only when the stored weight changes."""
         w = self.wo_a
         key = tuple((b.data_ptr(), b._version) for b in w._buffers.values())
         if self._wo_a is None or self._wo_a[0] != key:
             g = w.stored().dequantize(self.numerics.dtype).unflatten(0, (self.o_groups, -1)).contiguous()
-            self._wo_a = (key, g)
+            w8 = w.prepared()
+            exact = (w8.fmt == "fp8" and self.numerics.dtype == torch.bfloat16 and w8.weight.device.type != "meta"
+                     and pow2_scales(w8))
+            self._wo_a = (key, (g, w8 if exact else None))
         return self._wo_a[1]
 
     def forward(self, x: torch.Tensor, plan: StepPlan, st: BlockState, rope: Rope) -> torch.Tensor:
@@ -106,5 +111,5 @@ class Attention(nn.Module):
         if not plan.ring_first:
             st.window.index_copy_(1, plan.ring_slots, kv[:, S - plan.ring_slots.shape[0]:])
         o = ops.rope(o, cos, sin, True)  # undo the RoPE of V = K at the query position
-        z = ops.wo_a(o.flatten(2).unflatten(-1, (self.o_groups, -1)), self.wo_a_grouped())
+        z = ops.wo_a(o.flatten(2).unflatten(-1, (self.o_groups, -1)), *self.wo_a_grouped())
         return self.wo_b(z.flatten(2))

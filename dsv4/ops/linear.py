@@ -98,6 +98,16 @@ def stack_prepared(ws: list[PreparedLinear]) -> PreparedLinear:
     return PreparedLinear(w0.fmt, w0.n, w0.k, st("weight"), st("scale"), st("global_scale"))
 
 
+def pow2_scales(w: PreparedLinear) -> bool:
+    """True when every FP8 block scale of w is a power of two (E8M0, as the official checkpoint stores them): then
+    e4m3 x scale is exact in bf16, and the FP8 weight holds exactly the values of its bf16 dequantization. Syncs the
+    host once (call it when preparing weights, not per step)."""
+    if w.fmt != "fp8" or w.scale is None:
+        return False
+    s = w.scale
+    return bool(((s > 0) & (torch.frexp(s).mantissa == 0.5)).all())
+
+
 def linear_ref(x: torch.Tensor, w: PreparedLinear, act_quant: bool, out_dtype: torch.dtype) -> torch.Tensor:
     """x [..., K] -> x @ W^T [..., N] in out_dtype (fp32 GEMM; FP8 1x128 activation simulation first
     when act_quant and the weight is quantized)."""
@@ -110,9 +120,10 @@ def linear_ref(x: torch.Tensor, w: PreparedLinear, act_quant: bool, out_dtype: t
     return (xf @ w.dequantize().T).to(out_dtype)
 
 
-def wo_a_ref(o: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def wo_a_ref(o: torch.Tensor, w: torch.Tensor, w8: PreparedLinear | None = None) -> torch.Tensor:
     """o [..., G, Dg] (activation dtype), w [G, R, Dg] (activation dtype) -> z [..., G, R] in o.dtype:
-    z[g, r] = sum_d o[g, d] w[g, r, d], in the activation dtype as DeepSeek's bf16 einsum."""
+    z[g, r] = sum_d o[g, d] w[g, r, d], in the activation dtype as DeepSeek's bf16 einsum. `w8`, when given, is the
+    same weight as FP8 [G * R, Dg] with power-of-two block scales (exactly w's values); the reference reads w."""
     return torch.einsum("...gd,grd->...gr", o, w.to(o.dtype))
 
 
@@ -145,6 +156,26 @@ def make_fast_linear(linear_triton):
     return linear_fast
 
 
+def make_fast_wo_a():
+    """The fast `wo_a`: the CUDA grouped GEMV on the FP8 weight `w8` (half the bytes of the bf16 copy) for decode
+    shapes (1-8 tokens, bf16 o), else the cuBLAS bf16 batched GEMM of the reference on `w`, which streams the bf16
+    weight faster than linear_triton.wo_a (H200: 19.8 vs 23.1 us at M = 1, 24.3 vs 31.7 us at M = 128; the Triton
+    kernel stays tested in tests/ops/test_linear.py)."""
+    from dsv4.ops import linear_cuda
+
+    def wo_a_fast(o: torch.Tensor, w: torch.Tensor, w8: PreparedLinear | None = None) -> torch.Tensor:
+        if w8 is not None and o.dim() >= 2 and o.is_cuda:
+            G, D = o.shape[-2], o.shape[-1]
+            o2 = o.reshape(-1, G * D)
+            if linear_cuda.wo_a_applies(o2, w8, G):
+                out = torch.empty((*o.shape[:-1], w8.n // G), dtype=o.dtype, device=o.device)
+                linear_cuda.wo_a(o2, w8, G, out.view(o2.shape[0], w8.n))
+                return out
+        return wo_a_ref(o, w, w8)
+
+    return wo_a_fast
+
+
 def load_triton_module():
     """dsv4.ops.linear_triton, or None where it cannot be imported (no Triton on this machine): then
     the references run and `ops.configure` lists the ops as such."""
@@ -158,12 +189,10 @@ def load_triton_module():
 def register_ops(register) -> None:
     linear_triton = load_triton_module()
     fast_linear = make_fast_linear(linear_triton)
-    # wo_a's fast path on CUDA is the cuBLAS bf16 batched GEMM of the reference: it streams the 64 MB weight
-    # faster than linear_triton.wo_a (tools/bench_ops.py, H200: 19.8 vs 23.1 us at M = 1, 24.3 vs 31.7 us at
-    # M = 128); the Triton kernel stays tested (tests/ops/test_linear.py) for when it overtakes
-    fast_wo_a = wo_a_ref
+    fast_wo_a = make_fast_wo_a()
     register("linear", linear_ref, fast_linear, interpretable=True,
              doc="x @ W^T for dense / FP8 block / MXFP4 / NVFP4 weights, FP8 1x128 activation quantization",
              cuda="decode GEMV, 1-8 tokens on FP8 / bf16 weights; prefill GEMM (TMA + wgmma) on FP8 weights")
     register("wo_a", wo_a_ref, fast_wo_a,
-             doc="grouped low-rank output projection, bf16 weights, no activation quantization")
+             doc="grouped low-rank output projection, bf16 products, no activation quantization",
+             cuda="decode grouped GEMV on the FP8 weight (bf16 x)")

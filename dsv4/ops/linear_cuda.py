@@ -3,7 +3,8 @@ weights, on the tensor cores, same numerics as `linear_ref` up to fp32 summation
 and bf16 x bf16 in fp32; fp32 x split exactly into three bf16 parts; power-of-two scales per 128-K block).
 
 `applies(x2, w, act_quant, out_dtype)` says whether a call takes this path (else the Triton kernels run);
-`gemv(x2, w, out, cfg)` launches it; `config(fmt, x_f32, M, N, K)` is the (splits, WR, nstep, nchunk) choice, a fixed function of
+`gemv(x2, w, out, cfg)` launches it; `wo_a_applies` / `wo_a` run the grouped wo_a on its FP8 weight with bf16 x (no
+activation quantization: the products of the bf16 GEMM on the dequantized weight, given power-of-two scales); `config(fmt, x_f32, M, N, K)` is the (splits, WR, nstep, nchunk) choice, a fixed function of
 the shape (deterministic; measured on an H200 with tools/bench_ops.py, docs/performance.md). Split-K runs across a
 thread-block cluster and is reduced in rank order: same input, same bits.
 
@@ -30,7 +31,10 @@ MAX_M = 8
 # measure what it buys)
 PDL = os.environ.get("DSV4_PDL", "1") != "0"
 
-_STEP_COLS = {"fp8": 64, "dense": 32}
+# weight formats of the GEMV: "fp8" (x quantized to e4m3 1x128, linear), "fp8_bf16" (FP8 weights times bf16 x as
+# the bf16 GEMM of the dequantized weight computes it, wo_a), "dense" (bf16 weights)
+_STEP_COLS = {"fp8": 64, "fp8_bf16": 64, "dense": 32}
+_FMT_CODE = {"dense": 0, "fp8": 1, "fp8_bf16": 2}
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,7 +86,10 @@ TUNED: dict[tuple[str, bool, int, int], dict[int, tuple[int, int, int, int] | No
     ("fp8", False, 4096, 2048): {1: (4, 8, 4, 2), 4: (8, 4, 2, 1)},  # shared expert w2
     ("dense", False, 1024, 4096): {1: None, 4: None},  # HCA compressor wkv || wgate (Triton 5.3 / 7.0 vs 5.9 / 9.3 us)
     ("dense", False, 2624, 4096): {1: (8, 8, 4, 4), 4: (8, 4, 8, 1)},  # CSA compressors || weights_proj (8.7 / 12.1 us)
+    # wo_a on its FP8 weight, bf16 x, 8 groups (11.0 / 13.3 us, against 18.7 / 19.0 for cuBLAS on the bf16 weight)
+    ("fp8_bf16", False, 8192, 4096): {1: (2, 2, 2, 4), 4: (4, 8, 2, 8)},
 }
+
 
 
 def smem_bytes(fmt: str, x_f32: bool, M: int, ks: int, wr: int, nstep: int, nchunk: int = 1) -> int:
@@ -90,12 +97,12 @@ def smem_bytes(fmt: str, x_f32: bool, M: int, ks: int, wr: int, nstep: int, nchu
     pitch = ks + 16
     rows = 16 * wr
     wk = 8 // wr
-    if fmt == "fp8":
-        x = (M * pitch + 15) // 16 * 16 + M * (ks // 128) * 4
+    if fmt != "dense":
+        x = (M * pitch * (2 if fmt == "fp8_bf16" else 1) + 15) // 16 * 16 + M * (ks // 128) * 4
     else:
         x = ((3 if x_f32 else 1) * M * pitch * 2 + 15) // 16 * 16
     ring = min(nchunk, 3) * nstep * 2 * _THREADS * 16
-    scales = (ks // 128 * 4 + 15) // 16 * 16 if fmt == "fp8" else 0
+    scales = (ks // 128 * 4 + 15) // 16 * 16 if fmt != "dense" else 0
     return ring + scales + x + (wk + 1) * M * rows * 4
 
 
@@ -107,7 +114,7 @@ def candidates(fmt: str, x_f32: bool, M: int, N: int, K: int) -> list[tuple[int,
     out = []
     for splits in (1, 2, 4, 8):
         for wr in (1, 2, 4, 8):
-            for nstep in ((2, 4, 8) if fmt == "fp8" else (1, 2, 4, 8)):
+            for nstep in ((1, 2, 4, 8) if fmt == "dense" else (2, 4, 8)):
                 for nchunk in (1, 2, 4, 8, 16, 32):
                     if nchunk > 1 and nstep > 4:
                         continue
@@ -139,7 +146,7 @@ def config(fmt: str, x_f32: bool, M: int, N: int, K: int) -> tuple[int, int, int
         if nchunk > 1:
             continue  # the one-chunk kernels measured faster at the shapes swept so far
         ctas = splits * -(-N // (16 * wr))
-        cta_bytes = 16 * wr * (8 // wr) * nstep * step * (1 if fmt == "fp8" else 2)
+        cta_bytes = 16 * wr * (8 // wr) * nstep * step * (2 if fmt == "dense" else 1)
         score = (ctas >= 96, min(cta_bytes, 65536), wr, -splits)
         if best is None or score > best[0]:
             best = (score, (splits, wr, nstep, nchunk))
@@ -155,7 +162,28 @@ def gemv(x2: torch.Tensor, w: PreparedLinear, out: torch.Tensor, cfg: tuple[int,
     if cfg is None:
         raise ValueError(f"linear_cuda.gemv: the Triton kernel runs {w.fmt} [{w.n}, {w.k}] at M = {x2.shape[0]}")
     splits, wr, nstep, nchunk = cfg
-    mod.gemv(x2, w.weight, w.scale if w.fmt == "fp8" else None, out, splits, wr, nstep, nchunk, PDL)
+    mod.gemv(x2, w.weight, w.scale if w.fmt == "fp8" else None, out, splits, wr, nstep, nchunk, True, 1, PDL)
+
+
+def wo_a_applies(o2: torch.Tensor, w8: PreparedLinear, groups: int) -> bool:
+    """True when the grouped GEMV runs wo_a: CUDA sm_90+, 1..8 bf16 rows of groups x K columns (unit stride), an FP8
+    weight [groups * R, K] with K % 128 == 0 and R a multiple of 128 rows, and the module built."""
+    if not o2.is_cuda or o2.dtype != torch.bfloat16 or not 1 <= o2.shape[0] <= MAX_M or o2.stride(-1) != 1:
+        return False
+    if w8.fmt != "fp8" or w8.k % 128 or w8.n % groups or (w8.n // groups) % 128 or o2.shape[1] != groups * w8.k:
+        return False
+    if _capability(_index(o2))[0] < 9:
+        return False
+    return cuda_kernels.load() is not None
+
+
+def wo_a(o2: torch.Tensor, w8: PreparedLinear, groups: int, out: torch.Tensor,
+         cfg: tuple[int, int, int, int] | None = None) -> None:
+    """out[M, N] (bf16) = the grouped wo_a on the FP8 weight (see wo_a_applies): rows [g R, (g + 1) R) of w8 times
+    o2[:, g K:(g + 1) K], R = N / groups; the products are those of the bf16 weight (pow2_scales)."""
+    mod = cuda_kernels.load()
+    splits, wr, nstep, nchunk = cfg or config("fp8_bf16", False, o2.shape[0], w8.n, w8.k)
+    mod.gemv(o2, w8.weight, w8.scale, out, splits, wr, nstep, nchunk, False, groups, PDL)
 
 
 # below: the GEMV (1-8 tokens) or the Triton kernels, as fast or faster there (H200, M = 16 / 32 / 64: wq_b 13.1 /

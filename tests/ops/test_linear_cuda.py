@@ -4,8 +4,9 @@
 Fresh random weights in the official formats (FP8 128x128 blocks, bf16), activations with per-block magnitudes
 that differ. GEMV: 1-8 tokens, bf16 and fp32 x and outputs; Flash production shapes, odd N and K tails, every split /
 row-group / step configuration the dispatcher may pick. GEMM: 9 to 300 tokens (several M tiles), partial N tiles,
-every split-K count, its act_quant bit for bit against act_quant_ref. Both: bitwise determinism, CUDA-graph replay ==
-eager with programmatic dependent launch, and the fast `linear` op routing each shape to its kernel.
+every split-K count, its act_quant bit for bit against act_quant_ref. The grouped wo_a GEMV on its FP8 weight with bf16
+x against `wo_a_ref` and an fp64 product. All: bitwise determinism, CUDA-graph replay == eager with programmatic
+dependent launch, and the fast `linear` / `wo_a` ops routing each shape to its kernel.
 """
 
 from __future__ import annotations
@@ -185,6 +186,100 @@ def test_fast_linear_routes_decode_here(monkeypatch):
     assert calls == [("gemv", 1), ("gemv", 8), ("gemm", 96), ("gemm", 128)]
     assert linear_cuda.gemm_choice(_x(128, 8192, torch.bfloat16, 4), _weight("fp8", 4096, 8192, seed=11), True,
                                    torch.bfloat16) == 4  # wo_b: split 4 ways
+
+
+# ---- the grouped wo_a on its FP8 weight (bf16 x, no activation quantization) ----
+
+def _wo_a_case(groups: int, r: int, k: int, m: int, seed: int):
+    """o [m, G, K] bf16 with per-64 magnitudes that differ, the FP8 weight [G R, K] (E8M0 scales) and its exact bf16
+    twin [G, R, K], as the model holds them."""
+    w8 = _weight("fp8", groups * r, k, seed)
+    wg = w8.dequantize().to(torch.bfloat16).unflatten(0, (groups, r))
+    return _x(m, groups * k, torch.bfloat16, seed + 1).view(m, groups, k), wg, w8
+
+
+def _wo_a(o, w8, cfg=None):
+    m, groups = o.shape[0], o.shape[1]
+    out = torch.empty(m, w8.n, dtype=torch.bfloat16, device="cuda")
+    _lc().wo_a(o.reshape(m, -1), w8, groups, out, cfg)
+    return out.view(m, groups, -1)
+
+
+@pytest.mark.parametrize("groups,r,k,m", [(8, 1024, 4096, 1), (8, 1024, 4096, 2), (8, 1024, 4096, 4),
+                                          (8, 1024, 4096, 8), (2, 128, 256, 1), (3, 256, 1152, 5)])
+def test_wo_a_grouped_gemv(groups, r, k, m):
+    from dsv4.ops.linear import pow2_scales, wo_a_ref
+
+    o, wg, w8 = _wo_a_case(groups, r, k, m, seed=groups + r + k + m)
+    assert pow2_scales(w8)
+    assert _lc().wo_a_applies(o.reshape(m, -1), w8, groups)
+    z = _wo_a(o, w8)
+    # products exact (e4m3 -> f16 exactly, x staged as f16 exactly), fp32 accumulation per 128-K block: only the
+    # summation order differs from the bf16 einsum on the dequantized weight
+    assert_close_rel(z, wo_a_ref(o, wg, w8), "op_bf16_out")
+    exact = torch.einsum("mgk,grk->mgr", o.double(), wg.double())
+    assert_close_rel(z, exact, "op_bf16_out")
+    assert_bitwise_equal(_wo_a(o, w8), z, "rerun")
+
+
+def test_wo_a_x_staging_wide_ranges():
+    # elements spanning 2^-20..2^20 inside a block, an all-zero block, an all-tiny block (1e-30), a 2^120 block: the
+    # f16 staging scales each 128-column block by a power of two (products exact down to 2^-28 of the block's max;
+    # smaller elements round in f16's subnormal range, far below an output's bf16 ulp)
+    o, wg, w8 = _wo_a_case(2, 128, 1024, 3, seed=4)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    spread = torch.exp2(torch.randint(-20, 21, o.shape, generator=g, device="cuda").float())
+    o = (o.float() * spread).bfloat16()
+    o[0, 0, :128] = 0
+    o[1, 1, 128:256] = (o[1, 1, 128:256].float() * 1e-30).bfloat16()
+    o[2, 0, 256:384] = (o[2, 0, 256:384].float().sign() * 2.0 ** 120).bfloat16()
+    z = _wo_a(o, w8)
+    exact = torch.einsum("mgk,grk->mgr", o.double(), wg.double())
+    for i in range(3):  # each token's outputs against its own scale
+        assert_close_rel(z[i], exact[i], "op_bf16_out")
+
+
+def test_wo_a_every_config():
+    o, wg, w8 = _wo_a_case(2, 128, 1024, 3, seed=6)
+    ref = torch.einsum("mgk,grk->mgr", o.double(), wg.double())
+    cands = _lc().candidates("fp8_bf16", False, 3, w8.n, w8.k)
+    assert len(cands) >= 4
+    for cfg in cands:
+        z = _wo_a(o, w8, cfg)
+        assert_close_rel(z, ref, "op_bf16_out")
+        assert_bitwise_equal(_wo_a(o, w8, cfg), z, f"rerun {cfg}")
+
+
+def test_fast_wo_a_routes_decode_here(monkeypatch):
+    from dsv4 import ops
+    from dsv4.ops import linear_cuda
+    from dsv4.ops.linear import wo_a_ref
+
+    calls = []
+    real = linear_cuda.wo_a
+    monkeypatch.setattr(linear_cuda, "wo_a", lambda *a, **k: (calls.append(a[0].shape[0]), real(*a, **k)))
+    fast = ops.OPS["wo_a"].fast
+    for m in (1, 8, 9):  # the GEMV up to 8 tokens, the bf16 einsum beyond
+        o, wg, w8 = _wo_a_case(2, 128, 256, m, seed=m)
+        o = o.view(1, m, 2, 256)
+        assert_close_rel(fast(o, wg, w8), wo_a_ref(o, wg), "op_bf16_out")
+        assert_bitwise_equal(fast(o, wg, None), wo_a_ref(o, wg), "no FP8 twin: the reference's einsum")
+    assert calls == [1, 8]
+    o, wg, w8 = _wo_a_case(2, 64, 256, 1, seed=3)  # 64-row groups: not the GEMV's (falls back)
+    assert not linear_cuda.wo_a_applies(o.reshape(1, -1), w8, 2)
+    assert_bitwise_equal(fast(o, wg, w8), wo_a_ref(o, wg), "fallback")
+
+
+def test_wo_a_graph_replay_equals_eager():
+    o, wg, w8 = _wo_a_case(8, 1024, 4096, 1, seed=8)
+    w = _weight("fp8", 4096, 8192, 9)  # wo_b reads wo_a's output (PDL: its weights load while wo_a runs)
+
+    def step():
+        z = _wo_a(o, w8)
+        return _run(z.reshape(1, -1), w, torch.bfloat16)
+
+    want, got = graph_replay(step)
+    assert_bitwise_equal(got, want, "graph replay")
 
 
 # ---- the prefill GEMM (gemm.cu) ----

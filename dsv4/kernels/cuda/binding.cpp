@@ -11,8 +11,10 @@
 
 namespace {
 
+// out [M, N] = x [M, K] @ w [N, K]^T; fp8 w: x quantized to e4m3 1x128 (quant_x) or taken as bf16; groups > 1:
+// x is [M, groups * K] and the N / groups rows of group g read its g-th K columns (wo_a)
 void gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scale, at::Tensor& out,
-          int64_t splits, int64_t wr, int64_t nstep, int64_t nchunk, bool pdl) {
+          int64_t splits, int64_t wr, int64_t nstep, int64_t nchunk, bool quant_x, int64_t groups, bool pdl) {
   TORCH_CHECK(x.is_cuda() && w.is_cuda() && out.is_cuda(), "gemv: tensors must be on CUDA");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && out.dim() == 2, "gemv: x [M, K], w [N, K], out [M, N]");
   const bool fp8 = w.scalar_type() == at::kFloat8_e4m3fn;
@@ -20,12 +22,17 @@ void gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tens
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "gemv: x must be bf16 or fp32");
   TORCH_CHECK(out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat, "gemv: out must be bf16 or fp32");
   TORCH_CHECK(w.is_contiguous() && x.stride(1) == 1 && out.stride(1) == 1, "gemv: unit column strides, w contiguous");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(groups >= 1 && x.size(1) % groups == 0, "gemv: x columns must split into ", groups, " groups");
+  const int64_t M = x.size(0), K = x.size(1) / groups, N = w.size(0);
   TORCH_CHECK(w.size(1) == K && out.size(0) == M && out.size(1) == N, "gemv: shape mismatch");
   TORCH_CHECK(M >= 1 && M <= 8, "gemv: 1 to 8 tokens");
   TORCH_CHECK(wr == 1 || wr == 2 || wr == 4 || wr == 8, "gemv: wr must be 1, 2, 4 or 8");
   TORCH_CHECK(splits >= 1 && splits <= 8, "gemv: splits must be 1..8");
   TORCH_CHECK(K % (fp8 ? 128 : 8) == 0, "gemv: K must be a multiple of ", fp8 ? 128 : 8);
+  TORCH_CHECK(quant_x || (fp8 && x.scalar_type() == at::kBFloat16), "gemv: unquantized x needs fp8 w and bf16 x");
+  TORCH_CHECK(groups == 1 || (N % groups == 0 && (N / groups) % (16 * wr) == 0),
+              "gemv: each group's rows must be a multiple of the CTA's ", 16 * wr);
+  const int fmt = fp8 ? (quant_x ? 1 : 2) : 0;
   dsv4::GemvArgs a{};
   a.x = x.data_ptr();
   a.sx = x.stride(0);
@@ -50,15 +57,17 @@ void gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tens
   TORCH_CHECK(static_cast<int64_t>(a.ks) * splits >= K, "gemv: splits x columns per CTA must cover K");
   a.x_f32 = x.scalar_type() == at::kFloat;
   a.out_f32 = out.scalar_type() == at::kFloat;
-  a.x_vec = reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && (x.stride(0) * x.element_size()) % 16 == 0;
+  a.x_vec = reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && (x.stride(0) * x.element_size()) % 16 == 0 &&
+            (K * x.element_size()) % 16 == 0;
+  a.xg_rows = groups > 1 ? static_cast<int>(N / groups) : 0;
   const c10::cuda::CUDAGuard guard(x.device());
-  const cudaError_t e = dsv4::gemv_launch(a, fp8, static_cast<int>(nstep), pdl, c10::cuda::getCurrentCUDAStream().stream());
+  const cudaError_t e = dsv4::gemv_launch(a, fmt, static_cast<int>(nstep), pdl, c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(e == cudaSuccess, "gemv launch failed: ", cudaGetErrorString(e));
 }
 
-int64_t gemv_smem(bool fp8, bool x_split, int64_t M, int64_t ks, int64_t wr, int64_t nstep, int64_t nchunk) {
-  return dsv4::gemv_smem_bytes(fp8, x_split, static_cast<int>(M), static_cast<int>(ks), static_cast<int>(wr),
-                               static_cast<int>(nstep), static_cast<int>(nchunk));
+int64_t gemv_smem(int64_t fmt, bool x_split, int64_t M, int64_t ks, int64_t wr, int64_t nstep, int64_t nchunk) {
+  return dsv4::gemv_smem_bytes(static_cast<int>(fmt), x_split, static_cast<int>(M), static_cast<int>(ks),
+                               static_cast<int>(wr), static_cast<int>(nstep), static_cast<int>(nchunk));
 }
 
 // x [1, D] bf16, wts [1, k] fp32, idx [1, k] int64; routed MXFP4 stacks w1 / w3 [E, I, D/2] + [E, I, D/32] bytes, w2

@@ -1,7 +1,11 @@
 // Skinny GEMV for decode (1-8 tokens): out[M, N] = x[M, K] @ W[N, K]^T on the tensor cores, fed from registers.
 //
-// Weights: FP8 e4m3 with fp32 128x128 block scales (x quantized in-kernel to e4m3 1x128 with power-of-two scales,
-// DeepSeek's act_quant), or dense bf16 (x bf16, or fp32 split exactly into three bf16 parts).
+// Weights: FP8 e4m3 with fp32 128x128 block scales, x quantized in-kernel to e4m3 1x128 with power-of-two scales
+// (DeepSeek's act_quant; FMT 1), or x bf16 unquantized (FMT 2: the e4m3 weight times bf16 x, as a bf16 GEMM on the
+// dequantized weight computes it); or dense bf16 weights (x bf16, or fp32 split exactly into three bf16 parts; FMT 0).
+// FMT 2 stages x as f16 scaled by a power of two per 128-column block (its max in [2^14, 2^15)): exact for every
+// element down to 2^-28 of its block's max, so the products are the bf16 GEMM's; the e4m3 weights convert exactly to
+// f16. Grouped x (xg_rows > 0): rows [g * xg_rows, (g + 1) * xg_rows) read x's columns [g * K, (g + 1) * K) (wo_a).
 //
 // Work split: a CTA of 8 warps covers 16*WR weight rows x ks columns; warp (wr, wk) owns 16 rows x nchunk chunks of
 // NSTEP steps of 16 bytes per lane per row, streamed through a 3-chunk cp.async ring. The S CTAs of a thread-block cluster split K; their partials are summed through
@@ -33,17 +37,19 @@ using dev::mma_bf16;
 using dev::mma_e4m3;
 using dev::ue8m0_scale;
 
-__device__ __forceinline__ float load_x(const GemvArgs& a, int m, int c) {
+__device__ __forceinline__ float load_x(const GemvArgs& a, int m, long long c) {
   const long long off = static_cast<long long>(m) * a.sx + c;
   return a.x_f32 ? static_cast<const float*>(a.x)[off]
                  : __bfloat162float(static_cast<const __nv_bfloat16*>(a.x)[off]);
 }
 
 
-// FMT 1: fp8 weights (+ x quantization); FMT 0: bf16 weights. XSPLIT: fp32 x as three bf16 parts (FMT 0 only).
+// FMT 1: fp8 weights (+ x quantization); FMT 2: fp8 weights, bf16 x as scaled f16; FMT 0: bf16 weights.
+// XSPLIT: fp32 x as three bf16 parts (FMT 0 only).
 template <int FMT, int NSTEP, bool XSPLIT>
 __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvArgs a) {
-  constexpr int EB = FMT == 1 ? 1 : 2;        // weight bytes per element
+  constexpr bool W8 = FMT >= 1;
+  constexpr int EB = W8 ? 1 : 2;              // weight bytes per element
   constexpr int CPL = 16 / EB;                // columns per 16-byte lane chunk
   constexpr int STEPC = 4 * CPL;              // columns per step (4 lanes of a row group side by side)
   constexpr int NPART = XSPLIT ? 3 : 1;
@@ -85,8 +91,8 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvArgs a) {
     asm volatile("cp.async.commit_group;" ::: "memory");
   };
   float* ssm = reinterpret_cast<float*>(smem + nslot * NSTEP * 2 * kThreads * 16);  // [ks / 128] fp8 block scales
-  const int nsc = FMT == 1 ? a.ks / 128 : 0;
-  if constexpr (FMT == 1) {
+  const int nsc = W8 ? a.ks / 128 : 0;
+  if constexpr (W8) {
     const int cta_row0 = blockIdx.y * cta_rows;  // the CTA's rows sit in one 128-row scale block
     for (int i = threadIdx.x; i < nsc; i += kThreads) {
       const int col = cta_col0 + i * 128;
@@ -99,15 +105,18 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvArgs a) {
   griddep_wait();
 
   // ---- x for the CTA's columns -> shared memory
-  const int pitch = a.ks + 16;  // bytes (fp8) or elements (bf16) per token row; +16 spreads the banks
+  const int pitch = a.ks + 16;  // bytes (fp8) or elements (bf16, f16) per token row; +16 spreads the banks
+  // grouped x: the CTA's rows sit in one group (xg_rows is a multiple of the CTA's rows)
+  const long long xoff = a.xg_rows ? static_cast<long long>(blockIdx.y * cta_rows / a.xg_rows) * a.K : 0;
   unsigned char* xsm = reinterpret_cast<unsigned char*>(ssm) + ((nsc * 4 + 15) / 16) * 16;
   unsigned char* xq = xsm;
   float* sa = nullptr;
   __nv_bfloat16* xh = reinterpret_cast<__nv_bfloat16*>(xsm);
+  __half* xf = reinterpret_cast<__half*>(xsm);
   float* red;
-  if constexpr (FMT == 1) {
+  if constexpr (W8) {
     const int nblk = nsc;
-    sa = reinterpret_cast<float*>(xsm + ((M * pitch + 15) / 16) * 16);
+    sa = reinterpret_cast<float*>(xsm + ((M * pitch * (FMT == 2 ? 2 : 1) + 15) / 16) * 16);
     red = sa + M * nblk;
     // a warp's blocks XB at a time: all their loads in flight together (one L2 round trip, not one per block),
     // kept as loaded (4 fp32 or 4 bf16 per lane) until they have landed
@@ -122,7 +131,7 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvArgs a) {
         const int c = cta_col0 + blk * 128 + lane * 4;
         raw[j] = make_uint4(0, 0, 0, 0);
         if (p < M * nblk && c < a.K) {
-          const long long off = static_cast<long long>(m) * a.sx + c;
+          const long long off = static_cast<long long>(m) * a.sx + xoff + c;
           if (a.x_vec && a.x_f32) {  // 4 elements in one 16- or 8-byte load
             raw[j] = *reinterpret_cast<const uint4*>(static_cast<const float*>(a.x) + off);
           } else if (a.x_vec) {
@@ -130,7 +139,7 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvArgs a) {
             raw[j].x = b.x, raw[j].y = b.y;
           } else {
 #pragma unroll
-            for (int i = 0; i < 4; ++i) (&raw[j].x)[i] = __float_as_uint(load_x(a, m, c + i));
+            for (int i = 0; i < 4; ++i) (&raw[j].x)[i] = __float_as_uint(load_x(a, m, xoff + c + i));
           }
         }
       }
@@ -152,11 +161,24 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvArgs a) {
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
         float s, inv;
-        ue8m0_scale(amax, s, inv);
-        uint32_t packed = 0;
+        if constexpr (FMT == 1) {
+          ue8m0_scale(amax, s, inv);
+          uint32_t packed = 0;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) packed |= dev::e4m3_code(v[i], inv) << (8 * i);
-        *reinterpret_cast<uint32_t*>(xq + m * pitch + blk * 128 + lane * 4) = packed;
+          for (int i = 0; i < 4; ++i) packed |= dev::e4m3_code(v[i], inv) << (8 * i);
+          *reinterpret_cast<uint32_t*>(xq + m * pitch + blk * 128 + lane * 4) = packed;
+        } else {
+          // inv = 2^(14 - e) with e = floor(log2(amax)) (clamped: an all-tiny or all-zero block keeps e = -100):
+          // the block's max lands in [2^14, 2^15), and every bf16 element down to 2^-28 of it is an f16 normal
+          const int e = max(static_cast<int>((__float_as_uint(amax) >> 23) & 0xFF) - 127, -100);
+          inv = __uint_as_float(static_cast<uint32_t>(127 + 14 - e) << 23);
+          s = __uint_as_float(static_cast<uint32_t>(127 - 14 + e) << 23);
+          const __half2 lo = __floats2half2_rn(v[0] * inv, v[1] * inv), hi = __floats2half2_rn(v[2] * inv, v[3] * inv);
+          uint2 packed;
+          packed.x = *reinterpret_cast<const uint32_t*>(&lo);
+          packed.y = *reinterpret_cast<const uint32_t*>(&hi);
+          *reinterpret_cast<uint2*>(xf + m * pitch + blk * 128 + lane * 4) = packed;
+        }
         if (lane == 0) sa[m * nblk + blk] = s;
       }
     }
@@ -169,7 +191,7 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvArgs a) {
       for (int j = 0; j < XB; ++j) {
         const int p = p0 + kThreads * j;
         const int c = cta_col0 + p % a.ks;
-        vs[j] = p < M * a.ks && c < a.K ? load_x(a, p / a.ks, c) : 0.0f;
+        vs[j] = p < M * a.ks && c < a.K ? load_x(a, p / a.ks, xoff + c) : 0.0f;
       }
 #pragma unroll
       for (int j = 0; j < XB; ++j) {
@@ -194,7 +216,7 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvArgs a) {
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   const float* sa0p = nullptr;
   const float* sa1p = nullptr;
-  if constexpr (FMT == 1) {
+  if constexpr (W8) {
     sa0p = 2 * t < M ? sa + (2 * t) * nsc : nullptr;
     sa1p = 2 * t + 1 < M ? sa + (2 * t + 1) * nsc : nullptr;
   }
@@ -203,17 +225,25 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvArgs a) {
     asm volatile("cp.async.wait_group %0;" ::"n"(NBUF - 1) : "memory");
     const uint4* wc = wsm + ((c % NBUF) * NSTEP * 2) * kThreads + threadIdx.x;
     const int ccol = wcol + c * NSTEP * STEPC;  // the chunk's first column inside the CTA's range
-    if constexpr (FMT == 1) {
+    if constexpr (W8) {
 #pragma unroll
       for (int s = 0; s < NSTEP; s += 2) {
         float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
           const int cl = ccol + (s + u) * STEPC + t * CPL;
-          const uint4 xb = g < M ? *reinterpret_cast<const uint4*>(xq + g * pitch + cl) : make_uint4(0, 0, 0, 0);
           const uint4 wa = wc[(2 * (s + u)) * kThreads], wb = wc[(2 * (s + u) + 1) * kThreads];
-          mma_e4m3(d, wa.x, wb.x, wa.y, wb.y, xb.x, xb.y);
-          mma_e4m3(d, wa.z, wb.z, wa.w, wb.w, xb.z, xb.w);
+          if constexpr (FMT == 1) {
+            const uint4 xb = g < M ? *reinterpret_cast<const uint4*>(xq + g * pitch + cl) : make_uint4(0, 0, 0, 0);
+            mma_e4m3(d, wa.x, wb.x, wa.y, wb.y, xb.x, xb.y);
+            mma_e4m3(d, wa.z, wb.z, wa.w, wb.w, xb.z, xb.w);
+          } else {  // the 16 columns' x as 16 f16 (two 16-byte loads), in the k order of the weight words' halves
+            const uint4 zero = make_uint4(0, 0, 0, 0);
+            const uint4 x0 = g < M ? *reinterpret_cast<const uint4*>(xf + g * pitch + cl) : zero;
+            const uint4 x1 = g < M ? *reinterpret_cast<const uint4*>(xf + g * pitch + cl + 8) : zero;
+            dev::mma_e4m3_f16x(d, wa.x, wb.x, wa.y, wb.y, x0, false);
+            dev::mma_e4m3_f16x(d, wa.z, wb.z, wa.w, wb.w, x1, false);
+          }
         }
         // one 128-column block: promote to fp32 with the activation and weight block scales (powers of two)
         const int kb = (ccol + s * STEPC) / 128;
@@ -336,20 +366,21 @@ cudaError_t launch_nstep(const GemvArgs& a, int nstep, int smem, bool pdl, cudaS
 
 }  // namespace
 
-int gemv_smem_bytes(int fp8, int x_split, int M, int ks, int WR, int nstep, int nchunk) {
+int gemv_smem_bytes(int fmt, int x_split, int M, int ks, int WR, int nstep, int nchunk) {
   const int pitch = ks + 16;
   const int cta_rows = 16 * WR;
   const int WK = kThreads / 32 / WR;
-  int bytes = fp8 ? ((M * pitch + 15) / 16) * 16 + M * (ks / 128) * 4
+  int bytes = fmt ? ((M * pitch * (fmt == 2 ? 2 : 1) + 15) / 16) * 16 + M * (ks / 128) * 4
                   : (((x_split ? 3 : 1) * M * pitch * 2 + 15) / 16) * 16;
   const int ring = (nchunk < 3 ? nchunk : 3) * nstep * 2 * kThreads * 16;
-  const int scales = fp8 ? ((ks / 128 * 4 + 15) / 16) * 16 : 0;
+  const int scales = fmt ? ((ks / 128 * 4 + 15) / 16) * 16 : 0;
   return ring + scales + bytes + (WK + 1) * M * cta_rows * 4;
 }
 
-cudaError_t gemv_launch(const GemvArgs& a, int fp8, int nstep, bool pdl, cudaStream_t stream) {
-  const int smem = gemv_smem_bytes(fp8, a.x_f32 && !fp8, a.M, a.ks, a.WR, nstep, a.nchunk);
-  if (fp8) return launch_nstep<1, false>(a, nstep, smem, pdl, stream);
+cudaError_t gemv_launch(const GemvArgs& a, int fmt, int nstep, bool pdl, cudaStream_t stream) {
+  const int smem = gemv_smem_bytes(fmt, a.x_f32 && !fmt, a.M, a.ks, a.WR, nstep, a.nchunk);
+  if (fmt == 1) return launch_nstep<1, false>(a, nstep, smem, pdl, stream);
+  if (fmt == 2) return launch_nstep<2, false>(a, nstep, smem, pdl, stream);
   if (a.x_f32) return launch_nstep<0, true>(a, nstep, smem, pdl, stream);
   return launch_nstep<0, false>(a, nstep, smem, pdl, stream);
 }
