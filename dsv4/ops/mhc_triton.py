@@ -11,10 +11,11 @@ mhc_pre / mhc_head take two launches per call, whatever the token count T:
    sum y = sum_j pre_j X_j for its D-slice. Program (t, 0) writes post and comb.
 mhc_post is one launch: out_k = sum_j comb[j,k] X_j + post_k f, fp32, cast to the streams' dtype.
 The fused forms (what the model runs), two launches each:
-- mhc_pre_norm: `_mix_partial`, then `_pre_norm_finish`: one program per token does the finish over its
-  whole row and the sublayer's RMSNorm of y (y rounded to the streams' dtype first, as mhc_pre returns it);
+- mhc_pre_norm: `_mix_partial`, then `_pre_norm_finish`: two programs per token side by side, one for post and
+  the Sinkhorn comb (a serial chain of small reductions), one for the weighted sum over the whole row and the
+  sublayer's RMSNorm of y (y rounded to the streams' dtype first, as mhc_pre returns it);
 - mhc_post_pre_norm: `_post_partial` writes the post's columns of every stream and, from the stored values,
-  the next pre's partials (K sliced by columns: HC x BLOCK_K/HC per program); then `_pre_norm_finish`.
+  the next pre's partials (K sliced by columns: HC x POST_BLOCK per program); then `_pre_norm_finish`.
 """
 
 from __future__ import annotations
@@ -25,8 +26,13 @@ import triton.language as tl
 
 from dsv4.ops.triton_util import cast, round_to
 
-BLOCK_K = 512
+# measured at Flash shapes, one token, in CUDA graphs with the mixer streamed from HBM (H200, 2026-11-23): the
+# pre's partials over 128-element slices of K (128 programs: 8.4 us for mhc_pre_norm against 9.3 with 512), the
+# post's over 128 columns of every stream (9.1 us for mhc_post_pre_norm against 11.1 with 32); 4 warps per finish
+BLOCK_K = 128
+POST_BLOCK = 128
 BLOCK_D = 512
+FINISH_WARPS = 4
 
 
 @triton.jit
@@ -108,12 +114,15 @@ def _pre_finish(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, y_ptr, post_ptr, c
 def _pre_norm_finish(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, w_ptr, y_ptr, post_ptr, comb_ptr, D, K, NCH,
                      iters, hc_eps, norm_eps, eps, HC: tl.constexpr, MIX_P: tl.constexpr, NCH_P: tl.constexpr,
                      BLOCK: tl.constexpr):
-    # one program per token and its whole row: post, comb, y = sum_j pre_j X_j rounded to the streams' dtype
-    # (the y mhc_pre returns), then the RMSNorm of that y (rmsnorm's statistic and scaling)
+    # two programs per token, side by side: (t, 0) post and the Sinkhorn comb (a serial chain of 2 x iters small
+    # reductions); (t, 1) y = sum_j pre_j X_j over the whole row, rounded to the streams' dtype (the y mhc_pre
+    # returns), then the RMSNorm of that y (rmsnorm's statistic and scaling)
     t = tl.program_id(0)
+    if tl.program_id(1) == 0:
+        _post_comb(part_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, t, K, NCH, iters, hc_eps, norm_eps,
+                   HC, MIX_P, NCH_P)
+        return
     pre = _pre_weights(part_ptr, sq_ptr, base_ptr, scale_ptr, t, K, NCH, hc_eps, norm_eps, HC, MIX_P, NCH_P)
-    _post_comb(part_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, t, K, NCH, iters, hc_eps, norm_eps,
-               HC, MIX_P, NCH_P)
     d = tl.arange(0, BLOCK)
     dm = d < D
     j = tl.arange(0, HC)
@@ -226,8 +235,8 @@ def _finish_norm(x, part, sq, nch, mix_p, base, scale, w, hc, iters, hc_eps, nor
     y = torch.empty(B, S, D, dtype=x.dtype, device=x.device)
     post = torch.empty(B, S, hc, dtype=torch.float32, device=x.device)
     comb = torch.empty(B, S, hc, hc, dtype=torch.float32, device=x.device)
-    opts = {"num_warps": 8} if x.is_cuda else {}
-    _pre_norm_finish[(B * S,)](
+    opts = {"num_warps": FINISH_WARPS} if x.is_cuda else {}
+    _pre_norm_finish[(B * S, 2)](
         x, part, sq, base.float().contiguous(), scale.float().contiguous(), w.contiguous(), y, post, comb, D, hc * D,
         nch, iters, hc_eps, norm_eps, eps, HC=hc, MIX_P=mix_p, NCH_P=triton.next_power_of_2(nch),
         BLOCK=triton.next_power_of_2(D), **opts)
@@ -260,7 +269,7 @@ def mhc_post_pre_norm(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb
     B, S, _, D = x.shape
     x, f = x.contiguous(), f.contiguous()
     out = torch.empty_like(x)
-    block = max(BLOCK_K // hc, 16)
+    block = POST_BLOCK
     nch = triton.cdiv(D, block)
     mix_p = triton.next_power_of_2(mix)
     part = torch.empty(B * S, nch, mix_p, dtype=torch.float32, device=x.device)
