@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.ops.triton_util import ue8m0_scale
+from dsv4.ops.triton_util import arrival_counters, ue8m0_scale
 
 from dsv4.ops.linear import ACT_BLOCK, PreparedLinear
 
@@ -445,19 +445,9 @@ def _mm_config(fmt: str, M: int, N: int, K: int, G: int, sms: int, dot: int):
     return False, BM, BN, warps, stages, split
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
 def _split_counters(device: torch.device) -> torch.Tensor:
-    """MAX_SPLIT_TILES int32 zeros: the split-K arrival counters of `device` (each launch leaves them zero).
-    Made once, outside graph capture; a launch captured before they exist gets its own (a memset node)."""
-    c = _COUNTERS.get(device)
-    if c is None:
-        c = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return c  # in the graph's pool: not kept beyond this launch
-        _COUNTERS[device] = c
-    return c
+    """MAX_SPLIT_TILES int32 zeros: the split-K arrival counters of `device` (each launch leaves them zero)."""
+    return arrival_counters(device, "linear split-K", MAX_SPLIT_TILES)
 
 
 @functools.lru_cache(maxsize=None)

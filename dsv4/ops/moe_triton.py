@@ -2,10 +2,11 @@
 `moe_experts_ref` in dsv4/ops/moe.py. Owns the MoE kernels and their launch plans; touches nothing else (the weights
 are read in the PreparedLinear layouts of dsv4/ops/linear.py, never copied or re-encoded).
 
-Router: `_router_logits_kernel` (fp32 FMAs over many small CTAs, T < 16) or `_router_logits_mma_kernel` (bf16
-tensor-core GEMM, exact products, fp32 accumulation; fp32 x split in three bf16 parts), then
-`_router_select_kernel`: sqrtsoftplus / sigmoid / softmax, hash experts from tid2eid or a k-step argmax of
-score + bias (ties to the lowest expert id), weights from the unbiased scores, normalised, times the route scale.
+Router: `_router_fused_kernel` for T < 16 tokens (decode): fp32 FMAs over many small CTAs, and the last CTA to
+finish (an acq_rel arrival counter) runs the selection; otherwise `_router_logits_mma_kernel` (bf16 tensor-core GEMM,
+exact products, fp32 accumulation; fp32 x split in three bf16 parts), then `_router_select_kernel`. The selection:
+sqrtsoftplus / sigmoid / softmax, hash experts from tid2eid or a k-step argmax of score + bias (ties to the lowest
+expert id), weights from the unbiased scores, normalised, times the route scale.
 
 Experts, decode (T <= DECODE_MAX_T = 1 token), two launches:
 - `_moe_up_kernel`: one CTA per (routed pair, BN rows of w1 and w3) and per (shared expert, BNS rows); experts are
@@ -43,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.ops.triton_util import ue8m0_scale
+from dsv4.ops.triton_util import arrival_counters, ue8m0_scale
 
 from dsv4.ops.linear import ACT_BLOCK, PreparedLinear
 
@@ -299,11 +300,8 @@ def _post(g_ptr, e, FMT: tl.constexpr):
 
 
 @triton.jit
-def _router_logits_kernel(x_ptr, w_ptr, o_ptr, T, E, D, sx, sw,
-                          BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr):
-    """logits [T, E] fp32 = x.float() @ W.float()^T, fp32 FMAs over [BT, BE, BK] tiles."""
-    pe = tl.program_id(0)
-    pt = tl.program_id(1)
+def _logits_tile(x_ptr, w_ptr, o_ptr, pe, pt, T, E, D, sx, sw, BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr):
+    """logits [T, E] fp32 = x.float() @ W.float()^T for tile (pe, pt), fp32 FMAs over [BT, BE, BK] steps."""
     offs_t = pt * BT + tl.arange(0, BT)
     offs_e = pe * BE + tl.arange(0, BE)
     t_ok = offs_t < T
@@ -318,6 +316,12 @@ def _router_logits_kernel(x_ptr, w_ptr, o_ptr, T, E, D, sx, sw,
                      other=0.0).to(tl.float32)
         acc += tl.sum(xv[:, None, :] * wv[None, :, :], axis=2)
     tl.store(o_ptr + offs_t[:, None] * E + offs_e[None, :], acc, mask=t_ok[:, None] & e_ok[None, :])
+
+
+@triton.jit
+def _router_logits_kernel(x_ptr, w_ptr, o_ptr, T, E, D, sx, sw,
+                          BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr):
+    _logits_tile(x_ptr, w_ptr, o_ptr, tl.program_id(0), tl.program_id(1), T, E, D, sx, sw, BT, BE, BK)
 
 
 @triton.jit
@@ -352,18 +356,19 @@ def _log1p(y):
 
 
 @triton.jit
-def _router_select_kernel(l_ptr, b_ptr, tid_ptr, ids_ptr, w_ptr, i_ptr, T, E, route_scale, s_tid,
-                          KTOP: tl.constexpr, FUNC: tl.constexpr, HASH: tl.constexpr, NORM: tl.constexpr,
-                          BT: tl.constexpr, BE: tl.constexpr, KP: tl.constexpr):
-    """Scores, expert choice and weights for BT tokens (one row of E logits each)."""
-    pt = tl.program_id(0)
+def _select(l_ptr, b_ptr, tid_ptr, ids_ptr, w_ptr, i_ptr, pt, T, E, route_scale, s_tid,
+            KTOP: tl.constexpr, FUNC: tl.constexpr, HASH: tl.constexpr, NORM: tl.constexpr,
+            BT: tl.constexpr, BE: tl.constexpr, KP: tl.constexpr, LCM: tl.constexpr):
+    """Scores, expert choice and weights for tokens [pt * BT, (pt + 1) * BT) (one row of E logits each, loaded
+    with cache modifier LCM)."""
     offs_t = pt * BT + tl.arange(0, BT)
     offs_e = tl.arange(0, BE)
     offs_j = tl.arange(0, KP)
     t_ok = offs_t < T
     e_ok = offs_e < E
     ninf = float("-inf")
-    lg = tl.load(l_ptr + offs_t[:, None] * E + offs_e[None, :], mask=t_ok[:, None] & e_ok[None, :], other=0.0)
+    lg = tl.load(l_ptr + offs_t[:, None] * E + offs_e[None, :], mask=t_ok[:, None] & e_ok[None, :], other=0.0,
+                 cache_modifier=LCM)
     if FUNC == 0:
         z = tl.where(e_ok[None, :], lg, ninf)
         z = tl.exp(z - tl.max(z, axis=1)[:, None])
@@ -400,6 +405,32 @@ def _router_select_kernel(l_ptr, b_ptr, tid_ptr, ids_ptr, w_ptr, i_ptr, T, E, ro
     om = t_ok[:, None] & (offs_j[None, :] < KTOP)
     tl.store(w_ptr + offs_t[:, None] * KTOP + offs_j[None, :], wts, mask=om)
     tl.store(i_ptr + offs_t[:, None] * KTOP + offs_j[None, :], idx, mask=om)
+
+
+@triton.jit
+def _router_select_kernel(l_ptr, b_ptr, tid_ptr, ids_ptr, w_ptr, i_ptr, T, E, route_scale, s_tid,
+                          KTOP: tl.constexpr, FUNC: tl.constexpr, HASH: tl.constexpr, NORM: tl.constexpr,
+                          BT: tl.constexpr, BE: tl.constexpr, KP: tl.constexpr):
+    _select(l_ptr, b_ptr, tid_ptr, ids_ptr, w_ptr, i_ptr, tl.program_id(0), T, E, route_scale, s_tid,
+            KTOP, FUNC, HASH, NORM, BT, BE, KP, "")
+
+
+@triton.jit
+def _router_fused_kernel(x_ptr, w_ptr, l_ptr, c_ptr, b_ptr, tid_ptr, ids_ptr, wo_ptr, io_ptr, T, E, D, sx, sw,
+                         route_scale, s_tid, BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr,
+                         KTOP: tl.constexpr, FUNC: tl.constexpr, HASH: tl.constexpr, NORM: tl.constexpr,
+                         BEA: tl.constexpr, KP: tl.constexpr):
+    """One launch: program (pe, pt) writes its tile of logits; the last program of token block pt to arrive
+    (acq_rel counter, left at zero) runs the selection for those BT tokens over all E logits."""
+    pe = tl.program_id(0)
+    pt = tl.program_id(1)
+    _logits_tile(x_ptr, w_ptr, l_ptr, pe, pt, T, E, D, sx, sw, BT, BE, BK)
+    tl.debug_barrier()  # every thread's logits are stored before the (release) arrival
+    arrived = tl.atomic_add(c_ptr + pt, 1, sem="acq_rel")
+    if arrived == tl.num_programs(0) - 1:
+        _select(l_ptr, b_ptr, tid_ptr, ids_ptr, wo_ptr, io_ptr, pt, T, E, route_scale, s_tid,
+                KTOP, FUNC, HASH, NORM, BT, BEA, KP, ".cg")
+        tl.atomic_xchg(c_ptr + pt, 0)
 
 
 def router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.Tensor | None,
@@ -442,8 +473,28 @@ def router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tid
             BT=BT, BE=32, BK=128, num_warps=2)
     else:  # a GEMV: fp32 FMAs over many small CTAs
         BT, BE, BK = _router_config(T, E, D, _num_sms(dev))
-        _router_logits_kernel[(triton.cdiv(E, BE), triton.cdiv(T, BT))](
-            x, weight, logits, T, E, D, x.stride(0), weight.stride(0), BT=BT, BE=BE, BK=BK, num_warps=4)
+        nt = triton.cdiv(T, BT)
+        if nt > ROUTER_COUNTERS:
+            _router_logits_kernel[(triton.cdiv(E, BE), nt)](
+                x, weight, logits, T, E, D, x.stride(0), weight.stride(0), BT=BT, BE=BE, BK=BK, num_warps=4)
+            return _router_select(logits, bias, tid2eid, ids, wts, idx, T, E, func, topk, norm_topk, route_scale)
+        hashed = tid2eid is not None  # one launch: the selection runs in the last program to finish
+        _router_fused_kernel[(triton.cdiv(E, BE), nt)](
+            x, weight, logits, arrival_counters(dev, "router", ROUTER_COUNTERS), bias if bias is not None else logits,
+            tid2eid if hashed else idx, ids if hashed else idx, wts, idx, T, E, D, x.stride(0), weight.stride(0),
+            float(route_scale), tid2eid.stride(0) if hashed else 0, BT=BT, BE=BE, BK=BK,
+            KTOP=topk, FUNC=_FUNCS[func], HASH=hashed, NORM=bool(norm_topk and func != "softmax"),
+            BEA=triton.next_power_of_2(E), KP=triton.next_power_of_2(topk), num_warps=ROUTER_WARPS)
+        return wts, idx
+    return _router_select(logits, bias, tid2eid, ids, wts, idx, T, E, func, topk, norm_topk, route_scale)
+
+
+ROUTER_COUNTERS = 64  # token blocks of a fused router launch (its arrival counters)
+# warps of a fused router program: 1, 2, 4 and 8 all ran 6.0-7.7 us at Flash shapes, one token (H200, CUDA graphs)
+ROUTER_WARPS = 4
+
+
+def _router_select(logits, bias, tid2eid, ids, wts, idx, T, E, func, topk, norm_topk, route_scale):
     hashed = tid2eid is not None
     BTS = 4 if E <= 512 else 1
     _router_select_kernel[(triton.cdiv(T, BTS),)](

@@ -4,8 +4,10 @@
 `round_to(v, dtype)`: fp32 v rounded to nearest-even in `dtype`, returned as fp32 (exact in dtype). For
 bf16 the rounding is written out on the bits: the Triton interpreter (CPU tests) truncates fp32 -> bf16,
 the GPU's cvt.rn rounds; written out, both give the same bits. `cast(v, dtype)`: the same, in dtype.
+`arrival_counters(device, name, n)`: the zeroed int32 counters of a "last program to arrive finishes" kernel.
 """
 
+import torch
 import triton
 import triton.language as tl
 
@@ -53,3 +55,18 @@ def e4m3_round(v):
     e = tl.maximum((v.to(tl.int32, bitcast=True) >> 23) & 0xFF, 121)
     c = (((e + 20) << 23) | 0x400000).to(tl.float32, bitcast=True)
     return (v + c) - c
+
+
+_COUNTERS: dict[tuple[torch.device, str], torch.Tensor] = {}
+
+
+def arrival_counters(device: torch.device, name: str, n: int) -> torch.Tensor:
+    """n int32 zeros: the arrival counters of the kernels called `name` on `device` (each launch leaves them zero).
+    Made once, outside graph capture; a launch captured before they exist gets its own (a memset node)."""
+    c = _COUNTERS.get((device, name))
+    if c is None or c.numel() < n:
+        c = torch.zeros(n, dtype=torch.int32, device=device)
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return c  # in the graph's pool: not kept beyond this launch
+        _COUNTERS[(device, name)] = c
+    return c
