@@ -134,8 +134,14 @@ def profile_layer(run, device) -> dict:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize(device)
-    kernels = sum(1 for e in prof.events() if e.device_type.name == "CUDA" and "memcpy" not in e.name.lower()
-                  and "memset" not in e.name.lower())
+    kern = [e for e in prof.events() if e.device_type.name == "CUDA" and "memcpy" not in e.name.lower()
+            and "memset" not in e.name.lower()]
+    kernels = len(kern)
+    # each kernel's own GPU time (eager, no overlap): what the graph's layer time holds besides launch gaps
+    kernel_us: dict[str, float] = {}
+    for e in kern:
+        name = short_kernel_name(e.name)
+        kernel_us[name] = kernel_us.get(name, 0.0) + e.time_range.elapsed_us()
 
     recs = []
 
@@ -166,7 +172,22 @@ def profile_layer(run, device) -> dict:
     for name, ms in per_op.items():
         split[CATEGORY.get(name, "other")] += ms
     split["other"] += max(step - sum(per_op.values()), 0.0)
-    return {"kernels": kernels, "step_ms": step, "split_ms": split, "ops_ms": per_op}
+    return {"kernels": kernels, "step_ms": step, "split_ms": split, "ops_ms": per_op, "kernel_us": kernel_us}
+
+
+def short_kernel_name(name: str) -> str:
+    """A kernel's name without namespaces, template arguments or parameters ("void dsv4::(anonymous
+    namespace)::gemv_kernel<1, 2, false>(dsv4::GemvArgs)" -> "gemv_kernel")."""
+    depth, out = 0, []
+    for ch in name:
+        if ch in "<(":
+            depth += 1
+        elif ch in ">)":
+            depth -= 1
+        elif depth == 0:
+            out.append(ch)
+    base = "".join(out).split()[-1] if "".join(out).split() else name
+    return base.split("::")[-1][:40]
 
 
 def main(argv=None) -> int:
@@ -307,6 +328,9 @@ def main(argv=None) -> int:
             top = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in sorted(pr["ops_ms"].items(), key=lambda kv: -kv[1])[:8])
             print(f"profile ctx {r['context']} {kind}: {pr['kernels']} kernels per layer step; queued step "
                   f"{pr['step_ms']:.3f} ms by part, ms: {parts}; top ops, us: {top}")
+            ku = pr.get("kernel_us", {})
+            kt = ", ".join(f"{k} {v:.1f}" for k, v in sorted(ku.items(), key=lambda kv: -kv[1])[:14])
+            print(f"    kernels' own GPU time {sum(ku.values()):.0f} us (eager, summed by name): {kt}")
     out = {"device": dev_name, "devices": devices, "torch": torch.__version__, "python": platform.python_version(),
            "layers": args.layers, "layer_kinds": [s.attn for s in cfg.layers], "numerics": args.numerics,
            "copy_GBps": bw, "floor_GB_per_token": FLOOR_GB_PER_TOKEN, "floor_ms_at_copy_bw": floor_ms,

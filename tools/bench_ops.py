@@ -110,6 +110,24 @@ def build_cases(dev):
     cases["wo_a"] = ("wo_a", make_wo_a)
     cases["wo_a.bf16"] = ("wo_a", lambda M: make_wo_a(M, fp8=False))
 
+    def make_mhc(M, boundary):
+        # one mHC boundary at Flash shapes (hc 4, D 4096, the 1.5 MB fp32 mixer): mhc_pre_norm, or the attention's
+        # post fused with the FFN's pre (mhc_post_pre_norm)
+        hc, D = 4, 4096
+        x = randn(1, M, hc, D, dtype=torch.bfloat16)
+        fn = randn((2 + hc) * hc, hc * D, std=(hc * D) ** -0.5)
+        base, scale = randn((2 + hc) * hc, std=0.5), 1 + randn(3, std=0.3)
+        w = (1 + randn(D, std=0.3)).to(torch.bfloat16)
+        tail = (fn, base, scale, hc, 20, 1e-6, 1e-6, w, 1e-6)
+        moved = _nbytes(x, fn) + M * D * 2 + M * (hc + hc * hc) * 4
+        if not boundary:
+            return (x,) + tail, moved
+        f = randn(1, M, D, dtype=torch.bfloat16)
+        post, comb = torch.rand(1, M, hc, device=dev), torch.rand(1, M, hc, hc, device=dev)
+        return (f, x, post, comb) + tail, moved + _nbytes(f, post, comb, x)
+    cases["mhc_pre_norm"] = ("mhc_pre_norm", lambda M: make_mhc(M, False))
+    cases["mhc_post_pre_norm"] = ("mhc_post_pre_norm", lambda M: make_mhc(M, True))
+
     head = randn(129280, 4096, std=4096 ** -0.5, dtype=torch.bfloat16)
     ph = PreparedLinear("dense", 129280, 4096, head)
 
@@ -333,7 +351,8 @@ def main(argv=None) -> int:
 
     if args.list:
         names = ([c[0] for c in LINEARS] + [c[0] + ".triton" for c in LINEARS if c[1] in ("fp8", "dense")]
-                 + ["wo_a", "wo_a.bf16", "head", "moe_experts", "moe_experts.triton", "router"])
+                 + ["wo_a", "wo_a.bf16", "mhc_pre_norm", "mhc_post_pre_norm", "head", "moe_experts",
+                    "moe_experts.triton", "router"])
         print("\n".join(names))
         return 0
     if not torch.cuda.is_available():
