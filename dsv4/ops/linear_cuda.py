@@ -34,7 +34,6 @@ PDL = os.environ.get("DSV4_PDL", "1") != "0"
 # weight formats of the GEMV: "fp8" (x quantized to e4m3 1x128, linear), "fp8_bf16" (FP8 weights times bf16 x as
 # the bf16 GEMM of the dequantized weight computes it, wo_a), "dense" (bf16 weights)
 _STEP_COLS = {"fp8": 64, "fp8_bf16": 64, "dense": 32}
-_FMT_CODE = {"dense": 0, "fp8": 1, "fp8_bf16": 2}
 
 
 @functools.lru_cache(maxsize=None)
@@ -173,6 +172,10 @@ def wo_a_applies(o2: torch.Tensor, w8: PreparedLinear, groups: int) -> bool:
     if w8.fmt != "fp8" or w8.k % 128 or w8.n % groups or (w8.n // groups) % 128 or o2.shape[1] != groups * w8.k:
         return False
     if _capability(_index(o2))[0] < 9:
+        return False
+    try:
+        config("fp8_bf16", False, o2.shape[0], w8.n, w8.k)
+    except ValueError:  # no configuration fits the shared-memory cap (K far beyond wo_a's)
         return False
     return cuda_kernels.load() is not None
 

@@ -2,9 +2,11 @@
 `moe_experts_ref` in dsv4/ops/moe.py. Owns the MoE kernels and their launch plans; touches nothing else (the weights
 are read in the PreparedLinear layouts of dsv4/ops/linear.py, never copied or re-encoded).
 
-Router: `_router_fused_kernel` for T < 16 tokens (decode): fp32 FMAs over many small CTAs, and the last CTA to
-finish (an acq_rel arrival counter) runs the selection; otherwise `_router_logits_mma_kernel` (bf16 tensor-core GEMM,
-exact products, fp32 accumulation; fp32 x split in three bf16 parts), then `_router_select_kernel`. The selection:
+Router: `_router_logits_mma_kernel` for 16+ tokens on a bf16 gate (tensor-core GEMM, exact products, fp32
+accumulation; fp32 x split in three bf16 parts), then `_router_select_kernel`; otherwise (decode, or an fp32 gate)
+`_router_fused_kernel`: fp32 FMAs over many small CTAs, and the last CTA of each block of <= 16 tokens to finish (an
+acq_rel arrival counter) runs that block's selection (past ROUTER_COUNTERS blocks: the logits kernel, then the
+selection kernel). The selection:
 sqrtsoftplus / sigmoid / softmax, hash experts from tid2eid or a k-step argmax of score + bias (ties to the lowest
 expert id), weights from the unbiased scores, normalised, times the route scale.
 

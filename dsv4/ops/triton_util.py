@@ -62,9 +62,12 @@ _COUNTERS: dict[tuple[torch.device, str], torch.Tensor] = {}
 
 def arrival_counters(device: torch.device, name: str, n: int) -> torch.Tensor:
     """n int32 zeros: the arrival counters of the kernels called `name` on `device` (each launch leaves them zero).
-    Made once, outside graph capture; a launch captured before they exist gets its own (a memset node)."""
+    Made once, outside graph capture; a launch captured before they exist gets its own (a memset node). A name
+    keeps its size (ValueError when asked for more)."""
     c = _COUNTERS.get((device, name))
-    if c is None or c.numel() < n:
+    if c is not None and c.numel() < n:  # never replaced: a captured graph may hold the first buffer
+        raise ValueError(f"arrival_counters: {name!r} has {c.numel()} counters on {device}, {n} asked")
+    if c is None:
         c = torch.zeros(n, dtype=torch.int32, device=device)
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return c  # in the graph's pool: not kept beyond this launch

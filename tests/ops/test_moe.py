@@ -96,26 +96,27 @@ def _check_experts(T, D, N, E, k, fmt, sfmt, dev, seed, act_quant=True, x_dtype=
     return fast, (x, wts, idx, w1, w2, w3, shared, limit, act_quant), y
 
 
-def _router_inputs(T, D, E, k, dev, seed, hashed, vocab=97, x_dtype=torch.bfloat16):
+def _router_inputs(T, D, E, k, dev, seed, hashed, vocab=97, x_dtype=torch.bfloat16, w_dtype=torch.bfloat16):
     g = _gen(seed)
     x = torch.randn(T, D, generator=g).to(x_dtype).to(dev)
-    weight = (torch.randn(E, D, generator=g) * D ** -0.5).to(torch.bfloat16).to(dev)
+    weight = (torch.randn(E, D, generator=g) * D ** -0.5).to(w_dtype).to(dev)
     bias = None if hashed else (torch.randn(E, generator=g) * 0.1).to(dev)
     tid2eid = torch.rand(vocab, E, generator=g).argsort(-1)[:, :k].to(dev) if hashed else None
     ids = torch.randint(0, vocab, (T,), generator=g).to(dev)
     return x, weight, bias, tid2eid, ids
 
 
-def _check_router(T, D, E, k, func, hashed, dev, seed, norm=True, scale=1.5, x_dtype=torch.bfloat16):
+def _check_router(T, D, E, k, func, hashed, dev, seed, norm=True, scale=1.5, x_dtype=torch.bfloat16,
+                  w_dtype=torch.bfloat16):
     fast = _fast()
-    x, weight, bias, tid2eid, ids = _router_inputs(T, D, E, k, dev, seed, hashed, x_dtype=x_dtype)
+    x, weight, bias, tid2eid, ids = _router_inputs(T, D, E, k, dev, seed, hashed, x_dtype=x_dtype, w_dtype=w_dtype)
     args = (x, weight, bias, tid2eid, ids, func, k, norm, scale)
     w, i = fast.router(*args)
     wr, ir = router_ref(*args)
     assert i.dtype == torch.int64 and w.dtype == torch.float32
     from dsv4.ops.triton_util import _COUNTERS
-    counters = _COUNTERS.get((x.device, "router"))  # the fused decode router's arrival counters are left at zero
-    assert T >= 16 or (counters is not None and not counters.any())
+    counters = _COUNTERS.get((x.device, "router"))  # the fused router's arrival counters are left at zero
+    assert (T >= 16 and w_dtype == torch.bfloat16) or (counters is not None and not counters.any())
     diff = (i != ir).any(-1)
     if bool(diff.any()):  # allowed only where the reference's own scores tie to 1e-5 (fp32 summation order)
         logits = x.float() @ weight.float().T
@@ -148,6 +149,14 @@ def test_router_interpreted(T, E, k, func, hashed):
 @cpu_tier
 def test_router_unnormalised_interpreted():
     _check_router(3, 128, 16, 2, "sigmoid", False, "cpu", seed=4, norm=False, scale=2.5)
+
+
+@cpu_tier
+@pytest.mark.parametrize("hashed", [False, True])
+def test_router_fused_token_blocks_interpreted(hashed):
+    # an fp32 gate keeps 40 tokens on the one-launch router: three blocks of 16 tokens, each selected by the last
+    # of its logits programs to arrive
+    _check_router(40, 128, 32, 4, "sqrtsoftplus", hashed, "cpu", seed=40 + hashed, w_dtype=torch.float32)
 
 
 @cpu_tier
