@@ -4,7 +4,10 @@
 For each case (an op at Flash shapes with random weights in the official formats) and each M (tokens:
 1 and 4 for decode, 128 for a prefill chunk) it times both backends, counts the bytes the op must move
 (weights it reads + activations in and out) and reports GB/s and % of the device-copy bandwidth
-measured in the same run. Timings replay a CUDA graph of --calls back-to-back calls (launch overhead
+measured in the same run, and against one plain read of the same bytes ("read us": the stream_read probe,
+dsv4/kernels/cuda/probe.cu, best of a few grids, same timing method): what one launch streaming those bytes takes
+here, its ramp and tail included. It is a yardstick, not a bound: an op whose weight loads start during the
+previous launch (programmatic dependent launch) can beat it. Timings replay a CUDA graph of --calls back-to-back calls (launch overhead
 excluded, as in the decode graphs); an op that cannot be captured is timed eagerly and marked so. The calls
 cycle through enough distinct copies of the weights (and inputs) to exceed 3x the L2 cache, so every call
 streams its weights from device memory as in a decode step. --sweep-gemv times every configuration of the
@@ -202,6 +205,35 @@ def copy_bandwidth(dev) -> float:
     return 2 * a.numel() * 10 / (s.elapsed_time(e) * 1e-3) / 1e9
 
 
+_READ_FLOOR: dict[int, float | None] = {}
+
+
+def read_floor_us(nbytes: int, dev, calls: int, reps: int) -> float | None:
+    """Microseconds of one plain read of nbytes (rounded up to 16) by the stream_read probe: the best of a few grids,
+    over copies past the L2 cache, timed like the ops (launches back to back, without PDL). None without the CUDA
+    kernels."""
+    import torch
+
+    from dsv4.kernels import cuda as cuda_kernels
+
+    n = -(-nbytes // 16) * 16
+    if n in _READ_FLOOR:
+        return _READ_FLOOR[n]
+    mod = cuda_kernels.load()
+    best = None
+    if mod is not None:
+        bufs = [torch.empty(n, dtype=torch.uint8, device=dev) for _ in range(copies_needed(n, dev))]
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        for blocks, threads in ((4 * sms, 256), (8 * sms, 256), (4 * sms, 512)):
+            out = torch.empty(blocks, 4, dtype=torch.int32, device=dev)
+            us, _ = time_us([lambda b=b, o=out, k=blocks, t=threads: mod.stream_read(b, o, k, t) for b in bufs],
+                            calls, reps)
+            best = us if best is None else min(best, us)
+        del bufs
+    _READ_FLOOR[n] = best
+    return best
+
+
 def copies_needed(moved: int, dev) -> int:
     """Distinct weight copies whose bytes exceed 3x the L2 cache (1 for ops that are larger on their own)."""
     import torch
@@ -292,10 +324,12 @@ def sweep_gemv(args, cases, ms, bw, dev) -> int:
                 us, _ = time_us(calls, args.calls, args.reps)
                 line["configs"].append({"cfg": list(cfg), "us": us, "pct_copy_bw": 100 * moved / (us * 1e-6) / 1e9 / bw})
             best, mine = _best_and_chosen(line["configs"], chosen)
+            line["read_floor_us"] = floor = read_floor_us(moved, dev, args.calls, args.reps)
             mine_s = f"{mine['us']:6.1f} us ({mine['pct_copy_bw']:.0f}%)" if mine else "(Triton)"
             tri_s = f"{tri:6.1f} us" if tri is not None else "     -   "
             print(f"{name:16s} M={M} {moved / 1e6:7.2f} MB  triton {tri_s}  chosen {chosen} {mine_s}  "
-                  f"best {tuple(best['cfg'])} {best['us']:6.1f} us ({best['pct_copy_bw']:.0f}%)")
+                  f"best {tuple(best['cfg'])} {best['us']:6.1f} us ({best['pct_copy_bw']:.0f}%)"
+                  + (f"  read floor {floor:.1f} us" if floor else ""))
             print("    " + "  ".join(f"{tuple(r['cfg'])}:{r['us']:.1f}" for r in line["configs"]))
             results.append(line)
             del sets, outs
@@ -332,9 +366,11 @@ def sweep_mm(args, cases, ms, bw, dev) -> int:
                     continue
                 line["configs"].append({"cfg": list(cfg), "us": us, "pct_copy_bw": 100 * moved / (us * 1e-6) / 1e9 / bw})
             best, mine = _best_and_chosen(line["configs"], chosen)
+            line["read_floor_us"] = floor = read_floor_us(moved, dev, args.calls, args.reps)
             mine_s = f"{mine['us']:6.1f} us ({mine['pct_copy_bw']:.0f}%)" if mine else "(not swept)"
             print(f"{name:16s} M={M} {moved / 1e6:7.2f} MB  chosen {chosen[1:]} {mine_s}  "
-                  f"best {tuple(best['cfg'][1:])} {best['us']:6.1f} us ({best['pct_copy_bw']:.0f}%)")
+                  f"best {tuple(best['cfg'][1:])} {best['us']:6.1f} us ({best['pct_copy_bw']:.0f}%)"
+                  + (f"  read floor {floor:.1f} us" if floor else ""))
             print("    " + "  ".join(f"{tuple(r['cfg'][1:])}:{r['us']:.1f}" for r in line["configs"][:12]))
             results.append(line)
             del sets
@@ -400,6 +436,8 @@ def main(argv=None) -> int:
                 us, graphed = time_us(fns, args.calls, args.reps)
                 row[f"{backend}_us"], row[f"{backend}_graph"] = us, graphed
             best = row.get("fast_us") or row.get("ref_us")
+            row["read_floor_us"] = read_floor_us(moved, dev, args.calls, args.reps)
+            row["pct_read_floor"] = 100 * row["read_floor_us"] / best if best and row["read_floor_us"] else None
             row["gbps"] = moved / (best * 1e-6) / 1e9 if best else None
             row["pct_copy_bw"] = 100 * row["gbps"] / bw if best else None
             row["fast"] = "yes" if fast_ok else f"no ({why})"
@@ -410,11 +448,13 @@ def main(argv=None) -> int:
     def f(v, fmt):
         return format(v, fmt) if v is not None else "-"
 
-    print(f"{'case':18s} {'M':>4s} {'MB':>8s} {'ref us':>9s} {'fast us':>9s} {'speedup':>7s} {'GB/s':>7s} {'% copy':>7s}")
+    print(f"{'case':18s} {'M':>4s} {'MB':>8s} {'ref us':>9s} {'fast us':>9s} {'speedup':>7s} {'GB/s':>7s} {'% copy':>7s} "
+          f"{'read us':>8s} {'% read':>7s}")
     for r in rows:
         sp = r["ref_us"] / r["fast_us"] if r.get("ref_us") and r.get("fast_us") else None
         print(f"{r['case']:18s} {r['M']:4d} {r['bytes'] / 1e6:8.2f} {f(r.get('ref_us'), '9.1f')} "
-              f"{f(r.get('fast_us'), '9.1f')} {f(sp, '7.1f')} {f(r['gbps'], '7.0f')} {f(r['pct_copy_bw'], '7.1f')}"
+              f"{f(r.get('fast_us'), '9.1f')} {f(sp, '7.1f')} {f(r['gbps'], '7.0f')} {f(r['pct_copy_bw'], '7.1f')} "
+              f"{f(r['read_floor_us'], '8.1f')} {f(r['pct_read_floor'], '7.1f')}"
               + ("" if r["fast"] == "yes" else f"  fast: {r['fast']}"))
     if args.json:
         Path(args.json).write_text(json.dumps({

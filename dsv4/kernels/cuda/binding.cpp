@@ -8,6 +8,7 @@
 #include "gemm.h"
 #include "gemv.h"
 #include "moe.h"
+#include "probe.h"
 
 namespace {
 
@@ -231,7 +232,24 @@ void gemm_fp8(const at::Tensor& xq, const at::Tensor& xs, const at::Tensor& w, c
 }
 }  // namespace
 
+// benchmarks: one plain read of buf (uint8, contiguous, 16-byte aligned, a multiple of 16 bytes); out [blocks, 4]
+// int32 receives each CTA's xor of what it read
+void stream_read(const at::Tensor& buf, at::Tensor& out, int64_t blocks, int64_t threads) {
+  TORCH_CHECK(buf.is_cuda() && out.is_cuda(), "stream_read: tensors must be on CUDA");
+  TORCH_CHECK(buf.scalar_type() == at::kByte && buf.is_contiguous() && buf.numel() % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(buf.data_ptr()) % 16 == 0,
+              "stream_read: buf must be contiguous uint8, 16-byte aligned, a multiple of 16 bytes");
+  TORCH_CHECK(threads >= 32 && threads <= 1024 && threads % 32 == 0, "stream_read: threads must be 32..1024, x32");
+  TORCH_CHECK(blocks >= 1 && out.scalar_type() == at::kInt && out.is_contiguous() && out.numel() == blocks * 4,
+              "stream_read: out must be int32 [blocks, 4]");
+  const c10::cuda::CUDAGuard guard(buf.device());
+  const cudaError_t e = dsv4::stream_read_launch(buf.data_ptr(), buf.numel(), out.data_ptr(), static_cast<int>(blocks),
+                                                 static_cast<int>(threads), c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(e == cudaSuccess, "stream_read launch failed: ", cudaGetErrorString(e));
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("stream_read", &stream_read, "bandwidth probe: one plain read of a buffer (probe.cu, benchmarks)");
   m.def("gemv", &gemv, "skinny GEMV (1-8 tokens) on fp8 block-scaled or bf16 weights (gemv.cu)");
   m.def("gemv_smem", &gemv_smem, "dynamic shared memory bytes of one gemv CTA");
   m.def("act_quant", &act_quant, "FP8 1x128 activation quantization, power-of-two scales (gemm.cu)");
