@@ -240,8 +240,9 @@ void stream_read(const at::Tensor& buf, at::Tensor& out, int64_t blocks, int64_t
                   reinterpret_cast<uintptr_t>(buf.data_ptr()) % 16 == 0,
               "stream_read: buf must be contiguous uint8, 16-byte aligned, a multiple of 16 bytes");
   TORCH_CHECK(threads >= 32 && threads <= 1024 && threads % 32 == 0, "stream_read: threads must be 32..1024, x32");
-  TORCH_CHECK(blocks >= 1 && out.scalar_type() == at::kInt && out.is_contiguous() && out.numel() == blocks * 4,
-              "stream_read: out must be int32 [blocks, 4]");
+  TORCH_CHECK(blocks >= 1 && out.scalar_type() == at::kInt && out.is_contiguous() && out.numel() == blocks * 4 &&
+                  reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0 && out.device() == buf.device(),
+              "stream_read: out must be int32 [blocks, 4], 16-byte aligned, on buf's device");
   const c10::cuda::CUDAGuard guard(buf.device());
   const cudaError_t e = dsv4::stream_read_launch(buf.data_ptr(), buf.numel(), out.data_ptr(), static_cast<int>(blocks),
                                                  static_cast<int>(threads), c10::cuda::getCurrentCUDAStream().stream());

@@ -16,7 +16,7 @@ namespace {
 
 constexpr int kU = 4;  // loads in flight per thread (4 x 16 B: measured best or within 2% at 8-105 MB, H200)
 
-__global__ void stream_read_kernel(const uint4* __restrict__ p, long long n16, uint4* __restrict__ out) {
+__global__ void __launch_bounds__(1024) stream_read_kernel(const uint4* __restrict__ p, long long n16, uint4* __restrict__ out) {
   uint4 acc = make_uint4(0, 0, 0, 0);
   const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
   for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n16; i += stride * kU) {
