@@ -130,6 +130,14 @@ def build_cases(dev):
         return (f, x, post, comb) + tail, moved + _nbytes(f, post, comb, x)
     cases["mhc_pre_norm"] = ("mhc_pre_norm", lambda M: make_mhc(M, False))
     cases["mhc_post_pre_norm"] = ("mhc_post_pre_norm", lambda M: make_mhc(M, True))
+    try:  # the Triton kernels beside the CUDA one (decode), same run
+        from dsv4.ops import mhc_triton
+    except ImportError:
+        mhc_triton = None
+    if mhc_triton is not None:
+        cases["mhc_pre_norm.triton"] = ("mhc_pre_norm", lambda M: make_mhc(M, False), mhc_triton.mhc_pre_norm)
+        cases["mhc_post_pre_norm.triton"] = ("mhc_post_pre_norm", lambda M: make_mhc(M, True),
+                                             mhc_triton.mhc_post_pre_norm)
 
     head = randn(129280, 4096, std=4096 ** -0.5, dtype=torch.bfloat16)
     ph = PreparedLinear("dense", 129280, 4096, head)
@@ -387,7 +395,8 @@ def main(argv=None) -> int:
 
     if args.list:
         names = ([c[0] for c in LINEARS] + [c[0] + ".triton" for c in LINEARS if c[1] in ("fp8", "dense")]
-                 + ["wo_a", "wo_a.bf16", "mhc_pre_norm", "mhc_post_pre_norm", "head", "moe_experts",
+                 + ["wo_a", "wo_a.bf16", "mhc_pre_norm", "mhc_post_pre_norm", "mhc_pre_norm.triton",
+                    "mhc_post_pre_norm.triton", "head", "moe_experts",
                     "moe_experts.triton", "router"])
         print("\n".join(names))
         return 0

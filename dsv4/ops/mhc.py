@@ -69,18 +69,42 @@ def mhc_post_pre_norm_ref(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, 
     return (x, *mhc_pre_norm_ref(x, fn, base, scale, hc, iters, hc_eps, norm_eps, w, eps))
 
 
+def make_fast_boundaries(mhc_triton):
+    """The fast `mhc_pre_norm` / `mhc_post_pre_norm`: the CUDA decode kernel (dsv4/ops/mhc_cuda.py, one launch) for
+    the calls it takes (1-8 tokens, bf16 streams), the Triton kernels (two launches) for everything else."""
+    if mhc_triton is None:
+        return None, None
+    from dsv4.ops import mhc_cuda
+
+    def mhc_pre_norm_fast(x, fn, base, scale, hc, iters, hc_eps, norm_eps, w, eps):
+        if mhc_cuda.applies(x, fn, base, scale, hc, iters, w):
+            return mhc_cuda.boundary(x, fn, base, scale, iters, hc_eps, norm_eps, w, eps)
+        return mhc_triton.mhc_pre_norm(x, fn, base, scale, hc, iters, hc_eps, norm_eps, w, eps)
+
+    def mhc_post_pre_norm_fast(f, x, post, comb, fn, base, scale, hc, iters, hc_eps, norm_eps, w, eps):
+        if mhc_cuda.applies(x, fn, base, scale, hc, iters, w, f, post, comb):
+            return mhc_cuda.boundary(x, fn, base, scale, iters, hc_eps, norm_eps, w, eps, f, post, comb)
+        return mhc_triton.mhc_post_pre_norm(f, x, post, comb, fn, base, scale, hc, iters, hc_eps, norm_eps, w, eps)
+
+    mhc_pre_norm_fast.__doc__ = mhc_triton.mhc_pre_norm.__doc__
+    mhc_post_pre_norm_fast.__doc__ = mhc_triton.mhc_post_pre_norm.__doc__
+    return mhc_pre_norm_fast, mhc_post_pre_norm_fast
+
+
 def register_ops(register) -> None:
     try:
         from dsv4.ops import mhc_triton as fast
     except ImportError:  # no Triton here: the references run
         fast = None
+    pre_norm_fast, post_pre_norm_fast = make_fast_boundaries(fast)
     register("mhc_pre", mhc_pre_ref, getattr(fast, "mhc_pre", None), interpretable=True,
              doc="mHC pre: mixes, Sinkhorn, stream collapse (fp32)")
     register("mhc_post", mhc_post_ref, getattr(fast, "mhc_post", None), interpretable=True,
              doc="mHC post: post * f + comb^T @ streams (fp32)")
     register("mhc_head", mhc_head_ref, getattr(fast, "mhc_head", None), interpretable=True,
              doc="head hyper-connection: sigmoid-weighted stream sum")
-    register("mhc_pre_norm", mhc_pre_norm_ref, getattr(fast, "mhc_pre_norm", None), interpretable=True,
-             doc="mHC pre + the sublayer's RMSNorm")
-    register("mhc_post_pre_norm", mhc_post_pre_norm_ref, getattr(fast, "mhc_post_pre_norm", None),
-             interpretable=True, doc="mHC boundary: post of one sublayer, pre + RMSNorm of the next")
+    register("mhc_pre_norm", mhc_pre_norm_ref, pre_norm_fast, interpretable=True,
+             doc="mHC pre + the sublayer's RMSNorm", cuda="decode, 1-8 tokens: one launch")
+    register("mhc_post_pre_norm", mhc_post_pre_norm_ref, post_pre_norm_fast,
+             interpretable=True, doc="mHC boundary: post of one sublayer, pre + RMSNorm of the next",
+             cuda="decode, 1-8 tokens: one launch")

@@ -369,3 +369,16 @@ def test_gemm_graph_replay_and_pdl_chain():
     assert_close_rel(chain(), linear_ref(h, w2, True, torch.bfloat16), "op_fp8_mma_bf16_out")
     want, got = graph_replay(chain)
     assert_bitwise_equal(got, want, "graph replay")
+
+
+def test_binding_messages_with_values_raise():
+    # a refusal whose message carries values raises a one-line RuntimeError (it once crashed the process: the
+    # extension's stream formatting of multi-part messages, see DSV4_CHECK in binding.cpp)
+    mod = cuda_kernels.load()
+    x = torch.randn(1, 100, device="cuda").to(torch.bfloat16)
+    w = torch.randn(64, 100, device="cuda").to(torch.bfloat16)
+    out = torch.empty(1, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="gemv: K must be a multiple of 8"):
+        mod.gemv(x, w, None, out, 1, 1, 2, 1, True, 1, False)
+    with pytest.raises(RuntimeError, match="gemv: x columns must split into 3 groups"):
+        mod.gemv(x, w, None, out, 1, 1, 2, 1, True, 3, False)

@@ -5,12 +5,30 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <cstdio>
+
 #include "gemm.h"
 #include "gemv.h"
+#include "mhc.h"
 #include "moe.h"
 #include "probe.h"
 
 namespace {
+
+// TORCH_CHECK with a printf-style message. Inside this extension, c10::str's stream formatting of a multi-part
+// message crashes (H200 image: libtorch built with gcc-toolset-13, the extension with the system g++ 13.3; measured:
+// a failed gemv K check segfaulted instead of raising), so every message that carries values is formatted here and
+// handed to libtorch as one C string, the path a literal message takes.
+#define DSV4_CHECK(cond, ...)                                            \
+  do {                                                                   \
+    if (!(cond)) {                                                       \
+      char dsv4_msg_[512];                                               \
+      std::snprintf(dsv4_msg_, sizeof(dsv4_msg_), __VA_ARGS__);          \
+      TORCH_CHECK(false, static_cast<const char*>(dsv4_msg_));           \
+    }                                                                    \
+  } while (0)
+
+inline long long LL(int64_t v) { return static_cast<long long>(v); }
 
 // out [M, N] = x [M, K] @ w [N, K]^T; fp8 w: x quantized to e4m3 1x128 (quant_x) or taken as bf16; groups > 1:
 // x is [M, groups * K] and the N / groups rows of group g read its g-th K columns (wo_a)
@@ -23,16 +41,16 @@ void gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tens
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "gemv: x must be bf16 or fp32");
   TORCH_CHECK(out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat, "gemv: out must be bf16 or fp32");
   TORCH_CHECK(w.is_contiguous() && x.stride(1) == 1 && out.stride(1) == 1, "gemv: unit column strides, w contiguous");
-  TORCH_CHECK(groups >= 1 && x.size(1) % groups == 0, "gemv: x columns must split into ", groups, " groups");
+  DSV4_CHECK(groups >= 1 && x.size(1) % groups == 0, "gemv: x columns must split into %lld groups", LL(groups));
   const int64_t M = x.size(0), K = x.size(1) / groups, N = w.size(0);
   TORCH_CHECK(w.size(1) == K && out.size(0) == M && out.size(1) == N, "gemv: shape mismatch");
   TORCH_CHECK(M >= 1 && M <= 8, "gemv: 1 to 8 tokens");
   TORCH_CHECK(wr == 1 || wr == 2 || wr == 4 || wr == 8, "gemv: wr must be 1, 2, 4 or 8");
   TORCH_CHECK(splits >= 1 && splits <= 8, "gemv: splits must be 1..8");
-  TORCH_CHECK(K % (fp8 ? 128 : 8) == 0, "gemv: K must be a multiple of ", fp8 ? 128 : 8);
+  DSV4_CHECK(K % (fp8 ? 128 : 8) == 0, "gemv: K must be a multiple of %d", fp8 ? 128 : 8);
   TORCH_CHECK(quant_x || (fp8 && x.scalar_type() == at::kBFloat16), "gemv: unquantized x needs fp8 w and bf16 x");
   TORCH_CHECK(groups == 1 || (N % groups == 0 && (N / groups) % (16 * wr) == 0),
-              "gemv: each group's rows must be a multiple of the CTA's ", 16 * wr);
+              "gemv: each group's rows must be a multiple of the CTA's %lld", LL(16 * wr));
   const int fmt = fp8 ? (quant_x ? 1 : 2) : 0;
   dsv4::GemvArgs a{};
   a.x = x.data_ptr();
@@ -63,7 +81,7 @@ void gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tens
   a.xg_rows = groups > 1 ? static_cast<int>(N / groups) : 0;
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaError_t e = dsv4::gemv_launch(a, fmt, static_cast<int>(nstep), pdl, c10::cuda::getCurrentCUDAStream().stream());
-  TORCH_CHECK(e == cudaSuccess, "gemv launch failed: ", cudaGetErrorString(e));
+  DSV4_CHECK(e == cudaSuccess, "gemv launch failed: %s", cudaGetErrorString(e));
 }
 
 int64_t gemv_smem(int64_t fmt, bool x_split, int64_t M, int64_t ks, int64_t wr, int64_t nstep, int64_t nchunk) {
@@ -83,19 +101,19 @@ void moe_decode(const at::Tensor& x, const at::Tensor& wts, const at::Tensor& id
   TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) == 1 && x.is_contiguous(),
               "moe_decode: x must be one contiguous bf16 row [1, D]");
   const int64_t D = x.size(1), k = idx.size(1), E = w1.size(0), I = w1.size(1);
-  TORCH_CHECK(D % 2048 == 0 && D <= 8192 && I % 512 == 0 && I <= 2048, "moe_decode: D (", D, ") must be a multiple of "
-              "2048 up to 8192 and I (", I, ") a multiple of 512 up to 2048");
+  DSV4_CHECK(D % 2048 == 0 && D <= 8192 && I % 512 == 0 && I <= 2048, "moe_decode: D (%lld) must be a multiple of "
+             "2048 up to 8192 and I (%lld) a multiple of 512 up to 2048", LL(D), LL(I));
   TORCH_CHECK(k >= 1 && k <= 6 && idx.dim() == 2 && idx.size(0) == 1 && idx.scalar_type() == at::kLong &&
                   idx.is_contiguous(), "moe_decode: idx must be contiguous int64 [1, k], 1 <= k <= 6");
   TORCH_CHECK(wts.scalar_type() == at::kFloat && wts.is_contiguous() && wts.numel() == k,
               "moe_decode: wts must be contiguous fp32 [1, k]");
   auto fp4 = [&](const at::Tensor& w, const at::Tensor& s, int64_t n, int64_t kk, const char* name) {
-    TORCH_CHECK(w.is_cuda() && w.scalar_type() == at::kByte && w.is_contiguous() && w.dim() == 3 && w.size(0) == E &&
-                    w.size(1) == n && w.size(2) == kk / 2, "moe_decode: ", name, " must be contiguous uint8 [", E,
-                ", ", n, ", ", kk / 2, "]");
-    TORCH_CHECK(s.scalar_type() == at::kByte && s.is_contiguous() && s.dim() == 3 && s.size(0) == E &&
-                    s.size(1) == n && s.size(2) == kk / 32, "moe_decode: ", name, " scales must be contiguous uint8 [",
-                E, ", ", n, ", ", kk / 32, "]");
+    DSV4_CHECK(w.is_cuda() && w.scalar_type() == at::kByte && w.is_contiguous() && w.dim() == 3 && w.size(0) == E &&
+                   w.size(1) == n && w.size(2) == kk / 2, "moe_decode: %s must be contiguous uint8 [%lld, %lld, %lld]",
+               name, LL(E), LL(n), LL(kk / 2));
+    DSV4_CHECK(s.scalar_type() == at::kByte && s.is_contiguous() && s.dim() == 3 && s.size(0) == E &&
+                   s.size(1) == n && s.size(2) == kk / 32,
+               "moe_decode: %s scales must be contiguous uint8 [%lld, %lld, %lld]", name, LL(E), LL(n), LL(kk / 32));
   };
   fp4(w1, s1, I, D, "w1");
   fp4(w3, s3, I, D, "w3");
@@ -103,12 +121,12 @@ void moe_decode(const at::Tensor& x, const at::Tensor& wts, const at::Tensor& id
   const bool has_shared = v1.has_value();
   auto fp8 = [&](const c10::optional<at::Tensor>& w, const c10::optional<at::Tensor>& s, int64_t n, int64_t kk,
                  const char* name) {
-    TORCH_CHECK(w.has_value() && s.has_value(), "moe_decode: shared ", name, " missing");
-    TORCH_CHECK(w->scalar_type() == at::kFloat8_e4m3fn && w->is_contiguous() && w->dim() == 2 && w->size(0) == n &&
-                    w->size(1) == kk, "moe_decode: shared ", name, " must be contiguous e4m3 [", n, ", ", kk, "]");
-    TORCH_CHECK(s->scalar_type() == at::kFloat && s->is_contiguous() && s->dim() == 2 && s->size(0) == n / 128 &&
-                    s->size(1) == kk / 128, "moe_decode: shared ", name, " scales must be fp32 [", n / 128, ", ",
-                kk / 128, "]");
+    DSV4_CHECK(w.has_value() && s.has_value(), "moe_decode: shared %s missing", name);
+    DSV4_CHECK(w->scalar_type() == at::kFloat8_e4m3fn && w->is_contiguous() && w->dim() == 2 && w->size(0) == n &&
+                   w->size(1) == kk, "moe_decode: shared %s must be contiguous e4m3 [%lld, %lld]", name, LL(n), LL(kk));
+    DSV4_CHECK(s->scalar_type() == at::kFloat && s->is_contiguous() && s->dim() == 2 && s->size(0) == n / 128 &&
+                   s->size(1) == kk / 128, "moe_decode: shared %s scales must be fp32 [%lld, %lld]", name,
+               LL(n / 128), LL(kk / 128));
   };
   if (has_shared) {
     fp8(v1, v1s, I, D, "w1");
@@ -147,7 +165,7 @@ void moe_decode(const at::Tensor& x, const at::Tensor& wts, const at::Tensor& id
   a.limit = static_cast<float>(limit);
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaError_t e = dsv4::moe_decode_launch(a, pdl, c10::cuda::getCurrentCUDAStream().stream());
-  TORCH_CHECK(e == cudaSuccess, "moe_decode launch failed: ", cudaGetErrorString(e));
+  DSV4_CHECK(e == cudaSuccess, "moe_decode launch failed: %s", cudaGetErrorString(e));
 }
 
 
@@ -173,7 +191,7 @@ void act_quant(const at::Tensor& x, at::Tensor& q, at::Tensor& s, bool pdl) {
   a.x_vec = reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && (x.stride(0) * x.element_size()) % 16 == 0;
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaError_t e = dsv4::act_quant_launch(a, pdl, c10::cuda::getCurrentCUDAStream().stream());
-  TORCH_CHECK(e == cudaSuccess, "act_quant launch failed: ", cudaGetErrorString(e));
+  DSV4_CHECK(e == cudaSuccess, "act_quant launch failed: %s", cudaGetErrorString(e));
 }
 
 // out [M, N] bf16 = (xq [M, K] e4m3 * xs [M, K / 128]) @ (w [N, K] e4m3 * ws [ceil(N / 128), K / 128])^T
@@ -228,7 +246,7 @@ void gemm_fp8(const at::Tensor& xq, const at::Tensor& xs, const at::Tensor& w, c
   }
   const c10::cuda::CUDAGuard guard(xq.device());
   const cudaError_t e = dsv4::gemm_fp8_launch(a, pdl, c10::cuda::getCurrentCUDAStream().stream());
-  TORCH_CHECK(e == cudaSuccess, "gemm_fp8 launch failed: ", cudaGetErrorString(e));
+  DSV4_CHECK(e == cudaSuccess, "gemm_fp8 launch failed: %s", cudaGetErrorString(e));
 }
 }  // namespace
 
@@ -246,7 +264,73 @@ void stream_read(const at::Tensor& buf, at::Tensor& out, int64_t blocks, int64_t
   const c10::cuda::CUDAGuard guard(buf.device());
   const cudaError_t e = dsv4::stream_read_launch(buf.data_ptr(), buf.numel(), out.data_ptr(), static_cast<int>(blocks),
                                                  static_cast<int>(threads), c10::cuda::getCurrentCUDAStream().stream());
-  TORCH_CHECK(e == cudaSuccess, "stream_read launch failed: ", cudaGetErrorString(e));
+  DSV4_CHECK(e == cudaSuccess, "stream_read launch failed: %s", cudaGetErrorString(e));
+}
+
+// one mHC boundary (decode): the post of a sublayer when f is given, the next pre and its RMSNorm (mhc.cu)
+void mhc_boundary(const c10::optional<at::Tensor>& f, const at::Tensor& x, const c10::optional<at::Tensor>& post,
+                  const c10::optional<at::Tensor>& comb, const at::Tensor& fn, const at::Tensor& base,
+                  const at::Tensor& scale, const at::Tensor& w, const c10::optional<at::Tensor>& out, at::Tensor& y,
+                  at::Tensor& post_out, at::Tensor& comb_out, at::Tensor& part, at::Tensor& sq, at::Tensor& counter,
+                  int64_t iters, double hc_eps, double norm_eps, double eps, bool pdl) {
+  auto bf16c = [](const at::Tensor& t) { return t.is_cuda() && t.scalar_type() == at::kBFloat16 && t.is_contiguous(); };
+  auto f32c = [](const at::Tensor& t) { return t.is_cuda() && t.scalar_type() == at::kFloat && t.is_contiguous(); };
+  TORCH_CHECK(bf16c(x) && x.dim() == 3 && x.size(1) == 4, "mhc_boundary: x must be contiguous bf16 [T, 4, D]");
+  const int64_t T = x.size(0), D = x.size(2);
+  const int64_t max_t = dsv4::kMhcMaxT, cols = dsv4::kMhcCols, max_d = dsv4::kMhcMaxD;
+  DSV4_CHECK(T >= 1 && T <= max_t && D % cols == 0 && D >= cols && D <= max_d,
+             "mhc_boundary: 1 to %lld tokens, D a multiple of %lld up to %lld (got T = %lld, D = %lld)", LL(max_t),
+             LL(cols), LL(max_d), LL(T), LL(D));
+  const int64_t nch = D / dsv4::kMhcCols;
+  TORCH_CHECK(f32c(fn) && fn.dim() == 2 && fn.size(0) == 24 && fn.size(1) == 4 * D, "mhc_boundary: fn must be fp32 [24, 4 D]");
+  TORCH_CHECK(f32c(base) && base.numel() == 24 && f32c(scale) && scale.numel() == 3, "mhc_boundary: base [24], scale [3] fp32");
+  TORCH_CHECK(bf16c(w) && w.numel() == D, "mhc_boundary: w must be bf16 [D]");
+  TORCH_CHECK(bf16c(y) && y.numel() == T * D, "mhc_boundary: y must be bf16 [T, D]");
+  TORCH_CHECK(f32c(post_out) && post_out.numel() == T * 4 && f32c(comb_out) && comb_out.numel() == T * 16,
+              "mhc_boundary: post_out [T, 4], comb_out [T, 4, 4] fp32");
+  TORCH_CHECK(f32c(part) && part.numel() == T * nch * 24 && f32c(sq) && sq.numel() == T * nch,
+              "mhc_boundary: part [T, D / 64, 24], sq [T, D / 64] fp32");
+  TORCH_CHECK(counter.is_cuda() && counter.scalar_type() == at::kInt && counter.is_contiguous() && counter.numel() >= T,
+              "mhc_boundary: counter must be int32 [>= T]");
+  const bool has_post = f.has_value();
+  TORCH_CHECK(has_post == post.has_value() && has_post == comb.has_value() && has_post == out.has_value(),
+              "mhc_boundary: f, post, comb and out come together");
+  if (has_post) {
+    TORCH_CHECK(bf16c(*f) && f->numel() == T * D && bf16c(*out) && out->numel() == T * 4 * D,
+                "mhc_boundary: f [T, D] and out [T, 4, D] bf16");
+    TORCH_CHECK(f32c(*post) && post->numel() == T * 4 && f32c(*comb) && comb->numel() == T * 16,
+                "mhc_boundary: post [T, 4], comb [T, 4, 4] fp32");
+  }
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&x, &fn, &w, &y}) {
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0 && t->device() == x.device(),
+                "mhc_boundary: x, fn, w and y must be 16-byte aligned, on one device");
+  }
+  TORCH_CHECK(iters >= 1, "mhc_boundary: iters must be >= 1");
+  dsv4::MhcArgs a{};
+  a.f = has_post ? reinterpret_cast<const __nv_bfloat16*>(f->data_ptr()) : nullptr;
+  a.x = reinterpret_cast<const __nv_bfloat16*>(x.data_ptr());
+  a.post = has_post ? post->data_ptr<float>() : nullptr;
+  a.comb = has_post ? comb->data_ptr<float>() : nullptr;
+  a.fn = fn.data_ptr<float>();
+  a.base = base.data_ptr<float>();
+  a.scale = scale.data_ptr<float>();
+  a.w = reinterpret_cast<const __nv_bfloat16*>(w.data_ptr());
+  a.out = has_post ? reinterpret_cast<__nv_bfloat16*>(out->data_ptr()) : nullptr;
+  a.y = reinterpret_cast<__nv_bfloat16*>(y.data_ptr());
+  a.post_out = post_out.data_ptr<float>();
+  a.comb_out = comb_out.data_ptr<float>();
+  a.part = part.data_ptr<float>();
+  a.sq = sq.data_ptr<float>();
+  a.counter = counter.data_ptr<int>();
+  a.T = static_cast<int>(T);
+  a.D = static_cast<int>(D);
+  a.iters = static_cast<int>(iters);
+  a.hc_eps = static_cast<float>(hc_eps);
+  a.norm_eps = static_cast<float>(norm_eps);
+  a.eps = static_cast<float>(eps);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaError_t e = dsv4::mhc_boundary_launch(a, pdl, c10::cuda::getCurrentCUDAStream().stream());
+  DSV4_CHECK(e == cudaSuccess, "mhc_boundary launch failed: %s", cudaGetErrorString(e));
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -255,5 +339,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_smem", &gemv_smem, "dynamic shared memory bytes of one gemv CTA");
   m.def("act_quant", &act_quant, "FP8 1x128 activation quantization, power-of-two scales (gemm.cu)");
   m.def("gemm_fp8", &gemm_fp8, "prefill GEMM on fp8 block-scaled weights, TMA + wgmma (gemm.cu)");
+  m.def("mhc_boundary", &mhc_boundary, "one mHC boundary (post, pre, RMSNorm) of 1-8 tokens (mhc.cu)");
   m.def("moe_decode", &moe_decode, "decode MoE experts of one token: MXFP4 routed + FP8 shared (moe.cu)");
 }

@@ -1,0 +1,141 @@
+"""dsv4.ops.mhc_cuda (one mHC boundary per launch, dsv4/kernels/cuda/mhc.cu) against the references (GPU only).
+
+mhc_post_pre_norm and mhc_pre_norm of 1-8 tokens on fresh random streams, mixers and norm weights: Flash (D 4096)
+and Pro (D 7168) widths and odd ones (D 64, 192: one and three CTAs per token); the new streams bit for bit
+mhc_post's (Triton), y / post / comb within the op tolerances of the reference fed the same streams; bitwise
+determinism, the arrival counters back at zero, CUDA-graph replay == eager, the binding's refusals, and the fast ops
+routing decode calls here (prefill chunks to Triton).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4.kernels import cuda as cuda_kernels
+from dsv4.ops.mhc import mhc_post_ref, mhc_pre_norm_ref
+from dsv4.testing import assert_bitwise_equal, assert_close_rel, graph_replay
+
+CUDA = torch.cuda.is_available()
+pytestmark = pytest.mark.gpu
+ITERS, HC_EPS, NORM_EPS, EPS = 20, 1e-6, 1e-6, 1e-6
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    if not CUDA:
+        pytest.skip("needs CUDA")
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the CUDA mHC kernel needs sm_90+")
+    if cuda_kernels.load() is None:
+        pytest.fail(f"CUDA kernels did not build: {cuda_kernels.status()[1]}")
+
+
+def _mods():
+    from dsv4.ops import mhc_cuda, mhc_triton
+    return mhc_cuda, mhc_triton
+
+
+def _case(B, S, D, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    # streams whose magnitudes differ per stream and token (the statistic and the mixes see it)
+    x = torch.randn(B, S, 4, D, generator=g, device="cuda") * torch.exp2(
+        torch.randint(-3, 4, (B, S, 4, 1), generator=g, device="cuda").float())
+    fn = torch.randn(24, 4 * D, generator=g, device="cuda") * 0.5 * (4 * D) ** -0.5
+    base = torch.randn(24, generator=g, device="cuda") * 0.5
+    scale = 1 + torch.randn(3, generator=g, device="cuda") * 0.3
+    w = (1 + 0.3 * torch.randn(D, generator=g, device="cuda")).to(torch.bfloat16)
+    f = torch.randn(B, S, D, generator=g, device="cuda").to(torch.bfloat16)
+    post = 2 * torch.rand(B, S, 4, generator=g, device="cuda")
+    comb = torch.rand(B, S, 4, 4, generator=g, device="cuda")
+    comb = comb / comb.sum(-2, keepdim=True)
+    return x.to(torch.bfloat16), fn, base, scale, w, f, post, comb
+
+
+def _check_pre_norm(got, x, fn, base, scale, w):
+    want = mhc_pre_norm_ref(x, fn, base, scale, 4, ITERS, HC_EPS, NORM_EPS, w, EPS)
+    for a, b, name in zip(got, want, ("op_bf16_out", "op_fp32_out", "op_fp32_out")):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert_close_rel(a, b, name)
+
+
+@pytest.mark.parametrize("B,S,D", [(1, 1, 4096), (1, 4, 4096), (1, 1, 7168), (2, 3, 192), (1, 1, 64), (8, 1, 128)])
+def test_post_pre_norm_against_reference(B, S, D):
+    mc, tri = _mods()
+    x, fn, base, scale, w, f, post, comb = _case(B, S, D, seed=D + 10 * S + B)
+    assert mc.applies(x, fn, base, scale, 4, ITERS, w, f, post, comb)
+    got = mc.boundary(x, fn, base, scale, ITERS, HC_EPS, NORM_EPS, w, EPS, f, post, comb)
+    # the new streams: mhc_post's per-element arithmetic, bit for bit; the reference's within rounding
+    assert_bitwise_equal(got[0], tri.mhc_post(f, x, post, comb), "streams")
+    assert_close_rel(got[0], mhc_post_ref(f, x, post, comb), "op_bf16_out")
+    # the pre + norm of those streams (as ab_compare feeds every op the streams it was given)
+    _check_pre_norm(got[1:], got[0], fn, base, scale, w)
+
+
+@pytest.mark.parametrize("B,S,D", [(1, 1, 4096), (1, 2, 7168), (3, 1, 320)])
+def test_pre_norm_against_reference(B, S, D):
+    mc, _ = _mods()
+    x, fn, base, scale, w, *_ = _case(B, S, D, seed=7 * D + S)
+    assert mc.applies(x, fn, base, scale, 4, ITERS, w)
+    _check_pre_norm(mc.boundary(x, fn, base, scale, ITERS, HC_EPS, NORM_EPS, w, EPS), x, fn, base, scale, w)
+
+
+def test_deterministic_counters_and_graph():
+    mc, _ = _mods()
+    from dsv4.ops.triton_util import arrival_counters
+
+    x, fn, base, scale, w, f, post, comb = _case(1, 4, 4096, seed=3)
+
+    def step():
+        return torch.cat([t.float().flatten() for t in
+                          mc.boundary(x, fn, base, scale, ITERS, HC_EPS, NORM_EPS, w, EPS, f, post, comb)])
+
+    first = step()
+    for _ in range(3):
+        assert_bitwise_equal(step(), first, "rerun")
+    torch.cuda.synchronize()
+    assert int(arrival_counters(x.device, "mhc boundary", mc.MAX_T).abs().sum()) == 0
+    want, out = graph_replay(step)
+    assert_bitwise_equal(out, want, "graph")
+    assert_bitwise_equal(out, first, "graph vs first")
+    assert int(arrival_counters(x.device, "mhc boundary", mc.MAX_T).abs().sum()) == 0
+
+
+def test_fast_ops_route_decode_here():
+    from dsv4 import ops
+
+    mc, _ = _mods()
+    x, fn, base, scale, w, f, post, comb = _case(1, 1, 4096, seed=11)
+    args = (fn, base, scale, 4, ITERS, HC_EPS, NORM_EPS, w, EPS)
+    for a, b in zip(ops.OPS["mhc_post_pre_norm"].fast(f, x, post, comb, *args),
+                    mc.boundary(x, fn, base, scale, ITERS, HC_EPS, NORM_EPS, w, EPS, f, post, comb)):
+        assert_bitwise_equal(a, b, "mhc_post_pre_norm")
+    for a, b in zip(ops.OPS["mhc_pre_norm"].fast(x, *args),
+                    mc.boundary(x, fn, base, scale, ITERS, HC_EPS, NORM_EPS, w, EPS)):
+        assert_bitwise_equal(a, b, "mhc_pre_norm")
+    # a prefill chunk (more than 8 tokens) and fp32 streams stay on Triton
+    xl, fnl, basel, scalel, wl, *_ = _case(1, 9, 4096, seed=12)
+    assert not mc.applies(xl, fnl, basel, scalel, 4, ITERS, wl)
+    assert not mc.applies(x.float(), fn, base, scale, 4, ITERS, w)
+
+
+def test_binding_refuses_bad_calls():
+    mc, _ = _mods()
+    mod = cuda_kernels.load()
+    x, fn, base, scale, w, f, post, comb = _case(1, 1, 4096, seed=5)
+    T, D = 1, 4096
+    y = torch.empty(T, D, dtype=torch.bfloat16, device="cuda")
+    po, co = torch.empty(T, 4, device="cuda"), torch.empty(T, 4, 4, device="cuda")
+    part, sq = torch.empty(T, D // 64, 24, device="cuda"), torch.empty(T, D // 64, device="cuda")
+    cnt = torch.zeros(8, dtype=torch.int32, device="cuda")
+    xs = x.view(T, 4, D)
+    tail = (0.0, 1e-6, 1e-6, False)
+    with pytest.raises(RuntimeError, match="come together"):
+        mod.mhc_boundary(f.view(T, D), xs, None, comb, fn, base, scale, w, None, y, po, co, part, sq, cnt, 20, *tail)
+    with pytest.raises(RuntimeError, match=r"D a multiple of 64 up to 7168 \(got T = 1, D = 100\)"):
+        mod.mhc_boundary(None, xs[:, :, :100].contiguous(), None, None, fn, base, scale, w, None, y, po, co, part, sq,
+                         cnt, 20, *tail)
+    with pytest.raises(RuntimeError, match="fn must be fp32"):
+        mod.mhc_boundary(None, xs, None, None, fn.double(), base, scale, w, None, y, po, co, part, sq, cnt, 20, *tail)
+    with pytest.raises(RuntimeError, match="iters must be"):
+        mod.mhc_boundary(None, xs, None, None, fn, base, scale, w, None, y, po, co, part, sq, cnt, 0, *tail)
