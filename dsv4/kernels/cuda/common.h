@@ -1,5 +1,5 @@
-// Device helpers shared by dsv4's CUDA kernels (gemv.cu, moe.cu): programmatic dependent launch, cp.async, the
-// mma.sync wrappers and DeepSeek's act_quant scale.
+// Device helpers shared by dsv4's CUDA kernels (gemv.cu, moe.cu, mhc.cu): programmatic dependent launch, cp.async,
+// the mma.sync wrappers and DeepSeek's act_quant scale; launch_pdl on the host side.
 #pragma once
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
@@ -109,4 +109,23 @@ __device__ __forceinline__ uint32_t e4m3x2_code(float a, float b, float inv) {
 }
 
 }  // namespace dev
+
+// kernel<<<grid, block, smem, stream>>>(args...), as a programmatic dependent launch when pdl: its CTAs may start
+// while the previous kernel runs, and wait for it at griddepcontrol.wait
+template <typename... Params, typename... Args>
+inline cudaError_t launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, int smem, bool pdl,
+                              cudaStream_t stream, const Args&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, args...);
+}
+
 }  // namespace dsv4

@@ -248,16 +248,7 @@ __global__ void __launch_bounds__(kThreads, MINB) mhc_boundary_kernel(const MhcA
 
 template <int RV, int MINB>
 cudaError_t launch_rv(const MhcArgs& a, bool pdl, cudaStream_t stream) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(a.D / COLS, a.T, 1);
-  cfg.blockDim = dim3(kThreads, 1, 1);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, mhc_boundary_kernel<RV, MINB>, a);
+  return launch_pdl(mhc_boundary_kernel<RV, MINB>, dim3(a.D / COLS, a.T), dim3(kThreads), 0, pdl, stream, a);
 }
 
 }  // namespace

@@ -384,17 +384,7 @@ __global__ void __launch_bounds__(kThreads, 3) moe_down_kernel(const MoeArgs a) 
 cudaError_t launch(void (*kernel)(MoeArgs), const MoeArgs& a, int grid, int smem, bool pdl, cudaStream_t stream) {
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) return e;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(grid, 1, 1);
-  cfg.blockDim = dim3(kThreads, 1, 1);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, kernel, a);
+  return launch_pdl(kernel, dim3(grid), dim3(kThreads), smem, pdl, stream, a);
 }
 
 }  // namespace
