@@ -27,19 +27,24 @@ def _f32(*ts) -> bool:
 def applies(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, iters: int,
             w: torch.Tensor, f: torch.Tensor | None = None, post: torch.Tensor | None = None,
             comb: torch.Tensor | None = None) -> bool:
-    """True when the CUDA kernel runs this call: CUDA sm_90+, bf16 streams [B, S, 4, D] with B * S <= 8, D % 64 == 0
-    and D <= 7168, fp32 mixer / base / scale (and post / comb), a bf16 norm weight and sublayer output, the module built."""
+    """True when the CUDA kernel runs this call: CUDA sm_90+, contiguous 16-byte aligned bf16 streams [B, S, 4, D]
+    with B * S <= 8, D % 64 == 0 and 64 <= D <= 7168; a contiguous aligned fp32 mixer and bf16 norm weight; fp32
+    base / scale (and post / comb), a bf16 sublayer output [B, S, D]; the module built."""
     if not (x.is_cuda and x.dim() == 4 and hc == 4 and x.shape[2] == 4 and x.dtype == torch.bfloat16 and iters >= 1):
         return False
     T, D = x.shape[0] * x.shape[1], x.shape[3]
-    if not (1 <= T <= MAX_T and D % COLS == 0 and D <= MAX_D):
+    if not (1 <= T <= MAX_T and D % COLS == 0 and COLS <= D <= MAX_D):
         return False
     if not (_f32(fn, base, scale) and tuple(fn.shape) == (24, 4 * D) and base.numel() == 24 and scale.numel() == 3):
         return False
-    if w.dtype != torch.bfloat16 or w.numel() != D:
+    if w.dtype != torch.bfloat16 or tuple(w.shape) != (D,):
         return False
-    if f is not None and not (f.dtype == torch.bfloat16 and f.numel() == T * D and _f32(post, comb)
-                              and post.numel() == T * 4 and comb.numel() == T * 16):
+    # contiguous and 16-byte aligned as given: the weights are read before the previous kernel completes (a copy
+    # made here would be that kernel's output), the streams as 16-byte vectors
+    if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (x, fn, w)):
+        return False
+    if f is not None and not (f.dtype == torch.bfloat16 and tuple(f.shape) == tuple(x.shape[:2]) + (D,)
+                              and _f32(post, comb) and post.numel() == T * 4 and comb.numel() == T * 16):
         return False
     if any(t.device != x.device for t in (fn, base, scale, w) + ((f, post, comb) if f is not None else ())):
         return False

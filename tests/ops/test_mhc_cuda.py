@@ -59,7 +59,10 @@ def _check_pre_norm(got, x, fn, base, scale, w):
         assert_close_rel(a, b, name)
 
 
-@pytest.mark.parametrize("B,S,D", [(1, 1, 4096), (1, 4, 4096), (1, 1, 7168), (2, 3, 192), (1, 1, 64), (8, 1, 128)])
+# launch variants: rows of 1-4 vectors per finishing thread (D <= 1792, <= 3584, <= 5376, <= 7168), one or two CTAs
+# per SM (more CTAs than SMs: Flash at 4 tokens, 8 tokens of 2048 / 1856), several waves (Pro at 8 tokens)
+@pytest.mark.parametrize("B,S,D", [(1, 1, 4096), (1, 4, 4096), (1, 1, 7168), (2, 3, 192), (1, 1, 64), (8, 1, 128),
+                                   (8, 1, 2048), (4, 2, 1856), (1, 1, 1792), (8, 1, 7168)])
 def test_post_pre_norm_against_reference(B, S, D):
     mc, tri = _mods()
     x, fn, base, scale, w, f, post, comb = _case(B, S, D, seed=D + 10 * S + B)
@@ -117,6 +120,10 @@ def test_fast_ops_route_decode_here():
     xl, fnl, basel, scalel, wl, *_ = _case(1, 9, 4096, seed=12)
     assert not mc.applies(xl, fnl, basel, scalel, 4, ITERS, wl)
     assert not mc.applies(x.float(), fn, base, scale, 4, ITERS, w)
+    # a misaligned or non-contiguous mixer stays on Triton too (the kernel reads it as given, before the wait)
+    fn_off = torch.empty(fn.numel() + 1, device="cuda")[1:].view_as(fn).copy_(fn)
+    assert not mc.applies(x, fn_off, base, scale, 4, ITERS, w)
+    assert not mc.applies(x, fn.t().contiguous().t(), base, scale, 4, ITERS, w)
 
 
 def test_binding_refuses_bad_calls():

@@ -49,8 +49,8 @@ void gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tens
   TORCH_CHECK(splits >= 1 && splits <= 8, "gemv: splits must be 1..8");
   DSV4_CHECK(K % (fp8 ? 128 : 8) == 0, "gemv: K must be a multiple of %d", fp8 ? 128 : 8);
   TORCH_CHECK(quant_x || (fp8 && x.scalar_type() == at::kBFloat16), "gemv: unquantized x needs fp8 w and bf16 x");
-  TORCH_CHECK(groups == 1 || (N % groups == 0 && (N / groups) % (16 * wr) == 0),
-              "gemv: each group's rows must be a multiple of the CTA's %lld", LL(16 * wr));
+  DSV4_CHECK(groups == 1 || (N % groups == 0 && (N / groups) % (16 * wr) == 0),
+             "gemv: each group's rows must be a multiple of the CTA's %lld", LL(16 * wr));
   const int fmt = fp8 ? (quant_x ? 1 : 2) : 0;
   dsv4::GemvArgs a{};
   a.x = x.data_ptr();
@@ -302,8 +302,19 @@ void mhc_boundary(const c10::optional<at::Tensor>& f, const at::Tensor& x, const
                 "mhc_boundary: post [T, 4], comb [T, 4, 4] fp32");
   }
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&x, &fn, &w, &y}) {
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0 && t->device() == x.device(),
-                "mhc_boundary: x, fn, w and y must be 16-byte aligned, on one device");
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, "mhc_boundary: x, fn, w and y must be 16-byte aligned");
+  }
+  if (has_post) {
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(out->data_ptr()) % 16 == 0, "mhc_boundary: out must be 16-byte aligned");
+  }
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&fn, &base, &scale, &w, &y, &post_out, &comb_out,
+                                                                       &part, &sq, &counter}) {
+    TORCH_CHECK(t->device() == x.device(), "mhc_boundary: every tensor must be on x's device");
+  }
+  if (has_post) {
+    for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&*f, &*post, &*comb, &*out}) {
+      TORCH_CHECK(t->device() == x.device(), "mhc_boundary: every tensor must be on x's device");
+    }
   }
   TORCH_CHECK(iters >= 1, "mhc_boundary: iters must be >= 1");
   dsv4::MhcArgs a{};

@@ -1,12 +1,13 @@
 // One mHC boundary in one launch (SPEC §2.2), for decode (1-8 tokens): the post of a sublayer (optional), the pre of
 // the next one and that sublayer's RMSNorm, i.e. mhc_post_pre_norm (or mhc_pre_norm without the post), with
-// mhc_post_pre_norm_ref's arithmetic up to fp32 summation order.
+// mhc_post_pre_norm_ref's arithmetic up to fp32 summation order, expf and the Sinkhorn's 2-ulp divisions.
 //
 // Grid (D / 64, T), 256 threads. CTA (c, t) owns columns [64c, 64c + 64) of the 4 streams of token t, one element
 // per thread: it writes the post's new stream values there (fp32, rounded to bf16: the same per-element FMAs as
 // mhc_post's Triton kernel, so the same bits), then its partial dot products with the 24 mixer rows and its partial
-// sum of squares. The mixer slice (fn, 24 x 256 fp32) is loaded before griddepcontrol.wait: with programmatic
-// dependent launch the CTAs sit beside the previous kernel and read the mixer during its tail.
+// sum of squares. The mixer slice (fn, 24 x 256 fp32) is loaded before griddepcontrol.wait in the source (plain
+// loads: ptxas may sink them below it), so that with programmatic dependent launch it can arrive during the previous
+// kernel's tail.
 //
 // The last CTA of a token to arrive (an atomic counter, which it resets) finishes the token: the partials reduced in
 // a fixed order (chunk order per lane, then a fixed shuffle tree: same input, same bits), the rsqrt statistic, the
