@@ -61,3 +61,17 @@ def shared_dsv4() -> Path:
     if not SHARED_DSV4.is_dir():
         pytest.fail(MISSING)
     return SHARED_DSV4
+
+
+@pytest.fixture(scope="module")
+def built_sm90():
+    """The CUDA kernels (dsv4/kernels/cuda) built on an sm_90+ device: skip without one, fail if they do not build.
+    The CUDA kernel tests use it module-wide (pytestmark)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the CUDA kernels need sm_90+")
+    from dsv4.kernels import cuda as cuda_kernels
+
+    if cuda_kernels.load() is None:
+        pytest.fail(f"CUDA kernels did not build: {cuda_kernels.status()[1]}")

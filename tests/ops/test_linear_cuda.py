@@ -20,18 +20,7 @@ from dsv4.ops.act_quant import act_quant_ref
 from dsv4.ops.linear import linear_ref, prepare_linear
 from dsv4.testing import assert_bitwise_equal, assert_close_rel, graph_replay
 
-CUDA = torch.cuda.is_available()
-pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module", autouse=True)
-def built():
-    if not CUDA:
-        pytest.skip("needs CUDA")
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("the CUDA GEMV needs sm_90+")
-    if cuda_kernels.load() is None:
-        pytest.fail(f"CUDA kernels did not build: {cuda_kernels.status()[1]}")
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("built_sm90")]
 
 
 def _lc():

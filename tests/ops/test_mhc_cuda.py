@@ -16,19 +16,8 @@ from dsv4.kernels import cuda as cuda_kernels
 from dsv4.ops.mhc import mhc_post_ref, mhc_pre_norm_ref
 from dsv4.testing import assert_bitwise_equal, assert_close_rel, graph_replay
 
-CUDA = torch.cuda.is_available()
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("built_sm90")]
 ITERS, HC_EPS, NORM_EPS, EPS = 20, 1e-6, 1e-6, 1e-6
-
-
-@pytest.fixture(scope="module", autouse=True)
-def built():
-    if not CUDA:
-        pytest.skip("needs CUDA")
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("the CUDA mHC kernel needs sm_90+")
-    if cuda_kernels.load() is None:
-        pytest.fail(f"CUDA kernels did not build: {cuda_kernels.status()[1]}")
 
 
 def _mods():

@@ -13,24 +13,12 @@ import pytest
 import torch
 
 from dsv4 import formats
-from dsv4.kernels import cuda as cuda_kernels
 from dsv4.ops.linear import PreparedLinear, prepare_linear
 from dsv4.ops.moe import moe_experts_ref
 from dsv4.testing import assert_bitwise_equal, assert_close_rel, graph_replay
 
-CUDA = torch.cuda.is_available()
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("built_sm90")]
 TOL = "op_fp8_mma_bf16_out"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def built():
-    if not CUDA:
-        pytest.skip("needs CUDA")
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("the CUDA MoE kernels need sm_90+")
-    if cuda_kernels.load() is None:
-        pytest.fail(f"CUDA kernels did not build: {cuda_kernels.status()[1]}")
 
 
 def _mc():

@@ -88,6 +88,9 @@ __device__ __forceinline__ void mma_e4m3_f16x(float (&d)[4], uint32_t a0, uint32
   mma_f16(d, e4m3_lo_f16x2(a2), e4m3_lo_f16x2(a3), e4m3_hi_f16x2(a2), e4m3_hi_f16x2(a3), b.z, b.w);
 }
 
+// v rounded to bf16 (nearest even), as fp32
+__device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
 // act_quant's power-of-two scale: s = 2^ceil(log2(max(amax, 1e-4) * fp32(1/448))) from the exponent bits, and 1/s.
 __device__ __forceinline__ void ue8m0_scale(float amax, float& s, float& inv) {
   const float y = fmaxf(amax, kAmaxFloor) * (1.0f / kFp8Max);

@@ -214,7 +214,7 @@ __global__ void __launch_bounds__(kThreads, MINB) mhc_boundary_kernel(const MhcA
         float acc = 0.0f;
 #pragma unroll
         for (int j = 0; j < HC; ++j) acc = fmaf(pre[j], xs[j][e], acc);
-        yv[e] = bf(__float2bfloat16_rn(acc));
+        yv[e] = dev::bf16_round(acc);
         ss = fmaf(yv[e], yv[e], ss);  // vectors past the row hold zeros
       }
       __nv_bfloat162* yh = reinterpret_cast<__nv_bfloat162*>(&yq[i]);

@@ -37,6 +37,7 @@ using dev::cp_async_commit;
 using dev::cp_async_wait;
 using dev::e4m3x2_code;
 using dev::mma_e4m3_f16x;
+using dev::bf16_round;
 using dev::ue8m0_scale;
 
 constexpr int kThreads = 256;
@@ -61,8 +62,6 @@ __device__ __forceinline__ float e8m0(uint32_t four) {
   const uint32_t bits = (Q < 3 ? four << (23 - 8 * Q) : four >> 1) & 0x7F800000u;
   return __uint_as_float(max(bits, 0x00400000u));
 }
-
-__device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
 // one warp's work: 16 weight rows x a K range
 struct Job {
