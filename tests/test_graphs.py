@@ -3,7 +3,7 @@
 CPU: the static decode step, run eagerly, equals the chunked reference path at every position,
 across compressor emission boundaries. GPU: graph replay equals the eager static step bitwise for
 2 x 128 + 5 steps with ratios 4 and 128 and with ratio 16, with the reference and with the fast ops;
-two GPUs when present.
+two GPUs when present. The compressors run on a side stream (SideBranch) with the same bits as in line.
 """
 
 import pytest
@@ -113,3 +113,73 @@ def test_graph_decode_reference_numerics_bf16(kernels):
 def test_graph_decode_two_gpus():
     raw, model = _model([4, 128, 0, 16], seed=4)
     _graph_vs_eager(model, raw, 2 * 128 + 5, ["cuda:0", "cuda:1"])
+
+
+def test_side_branch_runs_in_line_on_cpu_and_when_off():
+    from dsv4.model.layers import SideBranch, set_overlap
+
+    b = SideBranch(torch.device("cpu"))
+    with b:
+        y = torch.ones(3) * 2
+    b.join()
+    assert b.side is None and torch.equal(y, torch.full((3,), 2.0))
+    prev = set_overlap(False)
+    try:
+        assert prev is True  # the default
+        assert set_overlap(False) is False
+        if torch.cuda.is_available():
+            assert SideBranch(torch.device("cuda:0")).side is None
+    finally:
+        set_overlap(prev)
+
+
+def _op_streams(model, ids):
+    """(op name, ran on the step's stream?) for every op call of one eager decode step after ids."""
+    from dsv4 import ops
+
+    runner = DecodeRunner(model, model.new_state(len(ids) + 1), use_graphs=False)
+    for t in ids:
+        runner.step(t)
+    calls = []
+
+    def hook(op, args, kwargs):
+        calls.append((op.name, torch.cuda.current_stream() == main))
+        return op.impl(*args, **kwargs)
+
+    main = torch.cuda.current_stream()
+    ops.set_hook(hook)
+    try:
+        runner.step(ids[-1])
+    finally:
+        ops.set_hook(None)
+    return calls
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kernels", ["fast"], indirect=True)
+def test_compressors_run_on_a_side_stream_with_the_same_bits(kernels):
+    from dsv4.model.layers import set_overlap
+
+    raw, model = _model([4, 128, 0], seed=6)
+    model.place(["cuda:0"])
+    ids = _ids(raw, 40, seed=5)
+    calls = _op_streams(model, ids)
+    side = {name for name, on_main in calls if not on_main}
+    assert side == {"linear", "compressor"}, calls  # compress_proj and the compressors (CSA's two, HCA's one)
+    assert sum(name == "compressor" and not m for name, m in calls) == 3
+    assert all(m for name, m in calls if name in ("sparse_attn", "indexer_scores", "topk_select"))
+    prev = set_overlap(False)
+    try:
+        assert all(m for _, m in _op_streams(model, ids))
+        # in line vs side stream: the same bits, eager and replayed, over compressor boundaries
+        T = 2 * 128 + 5
+        ids = _ids(raw, T, seed=11)
+        inline = DecodeRunner(model, model.new_state(T), use_graphs=False)
+        ref = torch.stack([inline.step(t).clone() for t in ids])
+    finally:
+        set_overlap(prev)
+    eager = DecodeRunner(model, model.new_state(T), use_graphs=False)
+    assert torch.equal(torch.stack([eager.step(t).clone() for t in ids]), ref)
+    graphs = DecodeRunner(model, model.new_state(T), use_graphs=True)
+    assert torch.equal(torch.stack([graphs.step(t).clone() for t in ids]), ref)

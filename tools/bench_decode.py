@@ -123,11 +123,13 @@ def profile_layer(run, device) -> dict:
     and its GPU time split by op category. For the split the whole step is queued behind a ~100 ms GPU sleep
     with a CUDA event pair around every op call (the ops hook), so the GPU then runs it back to back as a graph
     replay does and each pair times that op's kernels; "other" is the rest of the step (torch glue between
-    ops, and the gaps). Per op name too (`ops_ms`)."""
+    ops, and the gaps). Per op name too (`ops_ms`). The split runs the side branches in line (one stream), so
+    its step time is the serial one; the kernel count and times come from the run as configured."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from dsv4 import ops
+    from dsv4.model.layers import set_overlap
 
     run()  # warm
     torch.cuda.synchronize(device)
@@ -156,6 +158,7 @@ def profile_layer(run, device) -> dict:
     with torch.cuda.device(device):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         ops.set_hook(hook)
+        overlap = set_overlap(False)  # one stream: each op's events bracket its kernels alone
         try:
             torch.cuda._sleep(200_000_000)  # ~100 ms of GPU clock: the step is queued before the GPU reaches it
             start.record()
@@ -163,6 +166,7 @@ def profile_layer(run, device) -> dict:
             end.record()
         finally:
             ops.set_hook(None)
+            set_overlap(overlap)
         torch.cuda.synchronize(device)
         step = start.elapsed_time(end)
     per_op: dict[str, float] = {}
@@ -207,6 +211,8 @@ def main(argv=None) -> int:
                         "a GPU sleep, CUDA events around every op)")
     p.add_argument("--kernels", default=None, metavar="SPEC",
                    help="op backends: ref, fast, or e.g. fast,sparse_attn=ref (default: fast on CUDA)")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="run the compressor branch in line instead of on a second stream (A/B of the overlap)")
     p.add_argument("--json", metavar="F", help="write the results as JSON to F (default: none)")
     args = p.parse_args(argv)
 
@@ -214,7 +220,7 @@ def main(argv=None) -> int:
 
     from dsv4.config import ModelConfig
     from dsv4.graphs import DecodeRunner
-    from dsv4.model.layers import Numerics
+    from dsv4.model.layers import Numerics, set_overlap
     from dsv4.model.transformer import Transformer
     from dsv4.testing import randomize_
     from dsv4.writer import FLASH_CONFIG, truncate_layers
@@ -231,6 +237,8 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(ops.banner(kernel_report), file=sys.stderr)
+    set_overlap(not args.no_overlap)
+    print(f"compressor branch: {'in line' if args.no_overlap else 'on a second stream'}", file=sys.stderr)
     devices = [d.strip() for d in args.device.split(",") if d.strip()]
     contexts = [int(c) for c in args.contexts.split(",")]
     raw = truncate_layers(FLASH_CONFIG, args.layers)
@@ -334,7 +342,8 @@ def main(argv=None) -> int:
     out = {"device": dev_name, "devices": devices, "torch": torch.__version__, "python": platform.python_version(),
            "layers": args.layers, "layer_kinds": [s.attn for s in cfg.layers], "numerics": args.numerics,
            "copy_GBps": bw, "floor_GB_per_token": FLOOR_GB_PER_TOKEN, "floor_ms_at_copy_bw": floor_ms,
-           "build_s": build_s, "results": results, "command": " ".join(sys.argv), "kernels": kernel_report}
+           "build_s": build_s, "results": results, "command": " ".join(sys.argv), "kernels": kernel_report,
+           "overlap": not args.no_overlap}
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
         print(f"wrote {args.json}", file=sys.stderr)

@@ -5,6 +5,8 @@ in CSA/HCA layers, compressed entries w with (w+1)*ratio <= t+1 (CSA: only the i
 to `ops.sparse_attn` as index lists in DeepSeek's order (StepPlan). K = V, so the output's RoPE dims
 are rotated back by -t before the grouped low-rank projection (wo_a in the activation dtype without
 activation quantization, then wo_b). One forward serves prefill chunks and the captured decode step.
+The compressors (and their fused projection of x) run in a `SideBranch` beside the query / kv path,
+joined before the indexer and the attention read the entries.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dsv4 import ops
 from dsv4.config import LayerSpec, ModelConfig
 from dsv4.model.compressor import Compressor
 from dsv4.model.indexer import Indexer
-from dsv4.model.layers import FusedLinear, Linear, Numerics, RMSNorm, Rope, StepPlan
+from dsv4.model.layers import FusedLinear, Linear, Numerics, RMSNorm, Rope, SideBranch, StepPlan
 from dsv4.ops.linear import PreparedLinear, pow2_scales
 from dsv4.state import BlockState
 
@@ -77,6 +79,19 @@ class Attention(nn.Module):
         B, S, _ = x.shape
         ref = self.numerics.reference
         cos, sin = plan.rope(rope)
+        comp_branch = None
+        if self.compressor is not None:
+            # the compressors read x and their own state only: a side branch beside the query / kv path, joined
+            # before the indexer's scores and the attention read its entries
+            comp_branch = SideBranch(x.device)
+            with comp_branch:
+                # fp32 projections of the input (SPEC §5.16: fp32 weights and input), all of the layer's in one
+                # GEMM on x as it is: its values are exact in its dtype (bf16 activations: bf16 products, exact in
+                # the fp32 accumulation), so no fp32 copy is made
+                proj = self.compress_proj(x, torch.float32)
+                self.compressor(proj[0], proj[1], plan, st.compressor, rope)
+                if self.indexer is not None:
+                    self.indexer.compressor(proj[2], proj[3], plan, st.indexer, rope)
         q_a, kv = self.qkv_a(x)
         qr = self.q_norm(q_a)
         q, q_idx = self.q_b(qr) if self.q_b is not None else (self.wq_b(qr), None)
@@ -93,17 +108,12 @@ class Attention(nn.Module):
         idx_win = plan.win_idx.expand(B, -1, -1)
         kv_comp = idx_comp = None
         if self.compressor is not None:
+            comp_branch.join()
             comp = st.compressor
-            # fp32 projections of the input (SPEC §5.16: fp32 weights and input), all of the layer's in one GEMM
-            # on x as it is: its values are exact in its dtype (bf16 activations: bf16 products, exact in the
-            # fp32 accumulation), so no fp32 copy is made
-            proj = self.compress_proj(x, torch.float32)
-            self.compressor(proj[0], proj[1], plan, comp, rope)
             n = plan.n_entries(self.spec.ratio, comp.entries.shape[1] - 1)
             kv_comp = comp.entries[:, :n]
             if self.indexer is not None:
-                idx_comp = self.indexer(q_idx, proj[4], plan, st.indexer, rope, n, plan.n_visible(self.spec.ratio),
-                                        proj[2], proj[3])
+                idx_comp = self.indexer(q_idx, proj[4], plan, st.indexer, rope, n, plan.n_visible(self.spec.ratio))
             else:  # HCA: every visible entry, ascending
                 idx_comp = plan.prefix_idx(self.spec.ratio, n).expand(B, -1, -1)
         o = ops.sparse_attn(q, kv_win, idx_win, kv_comp, idx_comp, self.attn_sink, self.head_dim ** -0.5)

@@ -30,10 +30,10 @@ class Indexer(nn.Module):
         self.scale = self.dim ** -0.5 * self.n_heads ** -0.5
 
     def forward(self, q: torch.Tensor, w: torch.Tensor, plan: StepPlan, st: CompressorState, rope: Rope,
-                n: int, n_vis: torch.Tensor, c: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        # q = wq_b(qr): [B,S,H*d]; w = weights_proj(x): [B,S,H] fp32; c/g: its compressor's projections of x
-        # (the attention runs all of them fused) -> [B,S,min(topk, n)] int32 entry indices (-1 = none)
-        self.compressor(c, g, plan, st, rope)
+                n: int, n_vis: torch.Tensor) -> torch.Tensor:
+        # q = wq_b(qr): [B,S,H*d]; w = weights_proj(x): [B,S,H] fp32 -> [B,S,min(topk, n)] int32 entry indices
+        # (-1 = none). Its compressor (the keys) has run on this step's tokens already: the attention runs it,
+        # with the other projections of x, beside the query path
         cos, sin = plan.rope(rope)
         q = ops.rope(q.unflatten(-1, (self.n_heads, self.dim)), cos, sin, False)  # [B,S,H,d]
         ref = self.numerics.reference

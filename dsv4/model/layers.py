@@ -252,3 +252,53 @@ class StepPlan:
         """Compressed entries a step's index lists cover: all that can be visible by the end of the chunk
         (prefill), or the whole buffer (decode: static shapes)."""
         return capacity if self.end is None else min(self.end // ratio, capacity)
+
+
+# --------------------------------------------------------------------------------------------------
+# A second stream inside one forward
+
+_OVERLAP = [True]
+_SIDE_STREAMS: dict = {}
+
+
+def set_overlap(enabled: bool) -> bool:
+    """Whether `SideBranch` runs its work on a second stream (the default) or in line on the current one, for A/B
+    runs and per-op timing; returns the previous setting."""
+    prev = _OVERLAP[0]
+    _OVERLAP[0] = bool(enabled)
+    return prev
+
+
+class SideBranch:
+    """Work that needs only what the current stream has queued so far, run on a second stream of the device so
+    that its kernels overlap the current stream's next ones; `join()` makes the current stream wait for it before
+    anything reads the branch's results. At batch 1 many decode kernels leave most of the GPU idle (a small grid,
+    a serial tail), so independent chains fill those gaps. Inside a CUDA-graph capture the fork and the join are
+    graph edges and the branch's kernels parallel nodes. One side stream per device, made on first use. Tensors
+    the branch allocates belong to the side stream's pool: they must stay referenced until after `join()`.
+    In line (no second stream) on the CPU and after `set_overlap(False)`; the results are the same bits."""
+
+    def __init__(self, device: torch.device):
+        self.main = self.side = self._ctx = None
+        if _OVERLAP[0] and device.type == "cuda":
+            self.main = torch.cuda.current_stream(device)
+            dev = self.main.device
+            if dev not in _SIDE_STREAMS:
+                _SIDE_STREAMS[dev] = torch.cuda.Stream(dev)
+            self.side = _SIDE_STREAMS[dev]
+            self.side.wait_stream(self.main)
+
+    def __enter__(self) -> "SideBranch":
+        if self.side is not None:
+            self._ctx = torch.cuda.stream(self.side)
+            self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._ctx is not None:
+            self._ctx.__exit__(*exc)
+            self._ctx = None
+
+    def join(self) -> None:
+        if self.side is not None:
+            self.main.wait_stream(self.side)
