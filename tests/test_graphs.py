@@ -3,7 +3,7 @@
 CPU: the static decode step, run eagerly, equals the chunked reference path at every position,
 across compressor emission boundaries. GPU: graph replay equals the eager static step bitwise for
 2 x 128 + 5 steps with ratios 4 and 128 and with ratio 16, with the reference and with the fast ops;
-two GPUs when present. The compressors run on a side stream (SideBranch) with the same bits as in line.
+two GPUs when present. The compressors and the indexer run on a side stream (SideBranch) with the same bits as in line.
 """
 
 import pytest
@@ -158,7 +158,7 @@ def _op_streams(model, ids):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kernels", ["fast"], indirect=True)
-def test_compressors_run_on_a_side_stream_with_the_same_bits(kernels):
+def test_compressors_and_indexer_run_on_a_side_stream_with_the_same_bits(kernels, monkeypatch):
     from dsv4.model.layers import set_overlap
 
     raw, model = _model([4, 128, 0], seed=6)
@@ -166,9 +166,22 @@ def test_compressors_run_on_a_side_stream_with_the_same_bits(kernels):
     ids = _ids(raw, 40, seed=5)
     calls = _op_streams(model, ids)
     side = {name for name, on_main in calls if not on_main}
-    assert side == {"linear", "compressor"}, calls  # compress_proj and the compressors (CSA's two, HCA's one)
+    # compress_proj, the compressors (CSA's two, HCA's one), the indexer (its queries' RoPE, scores, top-k)
+    assert side == {"linear", "compressor", "rope", "indexer_scores", "topk_select"}, calls
     assert sum(name == "compressor" and not m for name, m in calls) == 3
-    assert all(m for name, m in calls if name in ("sparse_attn", "indexer_scores", "topk_select"))
+    assert all(not m for name, m in calls if name in ("indexer_scores", "topk_select"))
+    assert all(m for name, m in calls if name in ("sparse_attn", "q_norm_rope", "kv_norm_rope", "mhc_pre_norm"))
+    # the step plan of the first layer too (torch kernels, not ops): built on the side stream, joined in its attention
+    from dsv4.model.layers import SideBranch
+
+    made = []
+    enter = SideBranch.__enter__
+    monkeypatch.setattr(SideBranch, "__enter__", lambda self: made.append(self) or enter(self))
+    _op_streams(model, ids[:3])
+    monkeypatch.undo()
+    # 4 steps x (the plan, CSA's compressors, CSA's indexer, HCA's compressor), each on a second stream
+    assert len(made) == 16 and all(b.side is not None for b in made)
+    assert model._step_plans[torch.device("cuda:0")][1].pending is None  # joined
     prev = set_overlap(False)
     try:
         assert all(m for _, m in _op_streams(model, ids))

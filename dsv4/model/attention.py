@@ -5,8 +5,8 @@ in CSA/HCA layers, compressed entries w with (w+1)*ratio <= t+1 (CSA: only the i
 to `ops.sparse_attn` as index lists in DeepSeek's order (StepPlan). K = V, so the output's RoPE dims
 are rotated back by -t before the grouped low-rank projection (wo_a in the activation dtype without
 activation quantization, then wo_b). One forward serves prefill chunks and the captured decode step.
-The compressors (and their fused projection of x) run in a `SideBranch` beside the query / kv path,
-joined before the indexer and the attention read the entries.
+The compressors (and their fused projection of x) run in a `SideBranch` beside the query / kv path, and
+in CSA layers the indexer after them (once its queries exist); both join before the attention.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ class Attention(nn.Module):
         ref = self.numerics.reference
         cos, sin = plan.rope(rope)
         comp_branch = None
-        if self.compressor is not None:
+        if self.compressor is not None:  # (on the side stream, its work follows a plan still being built)
             # the compressors read x and their own state only: a side branch beside the query / kv path, joined
             # before the indexer's scores and the attention read its entries
             comp_branch = SideBranch(x.device)
@@ -95,7 +95,21 @@ class Attention(nn.Module):
         q_a, kv = self.qkv_a(x)
         qr = self.q_norm(q_a)
         q, q_idx = self.q_b(qr) if self.q_b is not None else (self.wq_b(qr), None)
+        kv_comp = idx_comp = None
+        if self.compressor is not None:
+            n = plan.n_entries(self.spec.ratio, st.compressor.entries.shape[1] - 1)
+            kv_comp = st.compressor.entries[:, :n]
+            if self.indexer is not None:
+                # the indexer's chain (its queries' RoPE, scores, top-k) on the side stream too, after the
+                # compressors whose key entries it reads, beside the queries' norm + RoPE and the kv insert
+                n_vis = plan.n_visible(self.spec.ratio)  # made here: plan tensors come from this stream
+                idx_branch = SideBranch(x.device, after=comp_branch)
+                with idx_branch:
+                    idx_comp = self.indexer(q_idx, proj[4], plan, st.indexer, rope, n, n_vis)
+            else:  # HCA: every visible entry, ascending
+                idx_comp = plan.prefix_idx(self.spec.ratio, n).expand(B, -1, -1)
         q = q.unflatten(-1, (self.n_heads, self.head_dim))
+        plan.ready()  # the step plan's kernels (built beside this layer so far, see Transformer.layer_step)
         q = ops.q_norm_rope(q, cos, sin, self.eps, ref)
         kv = ops.kv_norm_rope(kv, self.kv_norm.weight, self.eps, cos, sin, self.nope_dim if ref else 0)
 
@@ -106,16 +120,8 @@ class Attention(nn.Module):
         else:
             kv_win = torch.cat((st.window, kv), 1)  # ring (positions < start) ++ this chunk
         idx_win = plan.win_idx.expand(B, -1, -1)
-        kv_comp = idx_comp = None
-        if self.compressor is not None:
-            comp_branch.join()
-            comp = st.compressor
-            n = plan.n_entries(self.spec.ratio, comp.entries.shape[1] - 1)
-            kv_comp = comp.entries[:, :n]
-            if self.indexer is not None:
-                idx_comp = self.indexer(q_idx, proj[4], plan, st.indexer, rope, n, plan.n_visible(self.spec.ratio))
-            else:  # HCA: every visible entry, ascending
-                idx_comp = plan.prefix_idx(self.spec.ratio, n).expand(B, -1, -1)
+        if self.compressor is not None:  # the last branch's join covers the one it came after
+            (idx_branch if self.indexer is not None else comp_branch).join()
         o = ops.sparse_attn(q, kv_win, idx_win, kv_comp, idx_comp, self.attn_sink, self.head_dim ** -0.5)
 
         if not plan.ring_first:

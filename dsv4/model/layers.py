@@ -209,6 +209,7 @@ class StepPlan:
     end: int | None
     ropes: dict = field(default_factory=dict)  # kind -> (cos, sin) [S, rd/2]
     visible: dict = field(default_factory=dict)  # ratio -> n_vis [S]; (ratio, n) -> the HCA index list
+    pending: SideBranch | None = None  # the side branch still making this plan's tensors (see ready())
 
     @staticmethod
     def build(start: torch.Tensor, S: int, window: int, host_start: int | None) -> "StepPlan":
@@ -222,6 +223,13 @@ class StepPlan:
         keep = min(S, window)
         end = None if (S == 1 or host_start is None) else host_start + S
         return StepPlan(start, pos, S, window, win_len, win_idx, pos[S - keep:] % window, end)
+
+    def ready(self) -> None:
+        """Makes the current stream wait for the side branch that builds this plan (the decode step's plan is made
+        beside the first layer's mHC and query projections); call before the first kernel that reads it."""
+        if self.pending is not None:
+            self.pending.join()
+            self.pending = None
 
     def rope(self, table: Rope) -> tuple[torch.Tensor, torch.Tensor]:
         key = id(table)
@@ -278,7 +286,8 @@ class SideBranch:
     the branch allocates belong to the side stream's pool: they must stay referenced until after `join()`.
     In line (no second stream) on the CPU and after `set_overlap(False)`; the results are the same bits."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, after: "SideBranch | None" = None):
+        # after: an earlier branch whose results this one reads (its stream's work comes first)
         self.main = self.side = self._ctx = None
         if _OVERLAP[0] and device.type == "cuda":
             self.main = torch.cuda.current_stream(device)
@@ -287,6 +296,8 @@ class SideBranch:
                 _SIDE_STREAMS[dev] = torch.cuda.Stream(dev)
             self.side = _SIDE_STREAMS[dev]
             self.side.wait_stream(self.main)
+            if after is not None and after.side is not None and after.side != self.side:
+                self.side.wait_stream(after.side)
 
     def __enter__(self) -> "SideBranch":
         if self.side is not None:

@@ -17,7 +17,7 @@ from torch import nn
 from dsv4.config import LayerSpec, ModelConfig
 from dsv4.model.attention import Attention
 from dsv4 import ops
-from dsv4.model.layers import Linear, Numerics, RMSNorm, Rope, StepPlan
+from dsv4.model.layers import Linear, Numerics, RMSNorm, Rope, SideBranch, StepPlan
 from dsv4.model.moe import ExpertLinear, MoE, StackedExperts
 from dsv4.ops.linear import PreparedLinear
 from dsv4.state import BlockState, ModelState
@@ -226,15 +226,21 @@ class Transformer(nn.Module):
         first = i == 0 or self.layers[i - 1].attn_norm.weight.device != dev
         cached = self._step_plans.get(dev)
         if first or cached is None or cached[0] != pos.data_ptr():
-            plan = StepPlan.build(pos, 1, self.cfg.sliding_window, None)
-            # everything now: a later layer's graph must not compute any of it
-            for kind in dict.fromkeys(lay.spec.rope for lay in self.layers):
-                plan.rope(self.rope(kind, dev))
-            for ratio, has_indexer in dict.fromkeys((lay.spec.ratio, lay.spec.has_indexer) for lay in self.layers):
-                if ratio > 0:
-                    plan.n_visible(ratio)
-                    if not has_indexer:  # HCA: decode lists cover the whole entries buffer
-                        plan.prefix_idx(ratio, plan.n_entries(ratio, st.max_len // ratio))
+            # ~20 small kernels with no input but pos: on the side stream, beside the layer's mHC and query
+            # projections; the attention waits for them (plan.ready()) before its first kernel that reads the plan
+            branch = SideBranch(dev)
+            with branch:
+                plan = StepPlan.build(pos, 1, self.cfg.sliding_window, None)
+                # everything now: a later layer's graph must not compute any of it
+                for kind in dict.fromkeys(lay.spec.rope for lay in self.layers):
+                    plan.rope(self.rope(kind, dev))
+                for ratio, has_indexer in dict.fromkeys((lay.spec.ratio, lay.spec.has_indexer)
+                                                        for lay in self.layers):
+                    if ratio > 0:
+                        plan.n_visible(ratio)
+                        if not has_indexer:  # HCA: decode lists cover the whole entries buffer
+                            plan.prefix_idx(ratio, plan.n_entries(ratio, st.max_len // ratio))
+            plan.pending = branch
             self._step_plans[dev] = (pos.data_ptr(), plan)
         plan = self._step_plans[dev][1]
         return layer(x, ids, plan, st, self.rope(layer.spec.rope, dev))
