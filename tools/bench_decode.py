@@ -212,7 +212,8 @@ def main(argv=None) -> int:
     p.add_argument("--kernels", default=None, metavar="SPEC",
                    help="op backends: ref, fast, or e.g. fast,sparse_attn=ref (default: fast on CUDA)")
     p.add_argument("--no-overlap", action="store_true",
-                   help="run the compressor branch in line instead of on a second stream (A/B of the overlap)")
+                   help="run what the model puts on a second stream (the step plan, the compressors, the indexer) in "
+                        "line, for an A/B of the overlap (default: overlapped)")
     p.add_argument("--json", metavar="F", help="write the results as JSON to F (default: none)")
     args = p.parse_args(argv)
 
@@ -238,7 +239,8 @@ def main(argv=None) -> int:
         return 2
     print(ops.banner(kernel_report), file=sys.stderr)
     set_overlap(not args.no_overlap)
-    print(f"compressor branch: {'in line' if args.no_overlap else 'on a second stream'}", file=sys.stderr)
+    print(f"side branches (step plan, compressors, indexer): {'in line' if args.no_overlap else 'on a second stream'}",
+          file=sys.stderr)
     devices = [d.strip() for d in args.device.split(",") if d.strip()]
     contexts = [int(c) for c in args.contexts.split(",")]
     raw = truncate_layers(FLASH_CONFIG, args.layers)
