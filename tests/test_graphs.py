@@ -196,3 +196,25 @@ def test_compressors_and_indexer_run_on_a_side_stream_with_the_same_bits(kernels
     assert torch.equal(torch.stack([eager.step(t).clone() for t in ids]), ref)
     graphs = DecodeRunner(model, model.new_state(T), use_graphs=True)
     assert torch.equal(torch.stack([graphs.step(t).clone() for t in ids]), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_side_stream_has_its_own_counters_and_never_aliases():
+    from dsv4 import ops
+    from dsv4.ops import linear_cuda, triton_util
+
+    dev = torch.device("cuda:0")
+    side = ops.side_stream(dev)
+    # torch hands out default-priority streams round-robin from a pool of 32: none of them is the side stream
+    assert all(torch.cuda.Stream(dev) != side for _ in range(80))
+    main_c = triton_util.arrival_counters(dev, "test side counters", 8)
+    main_g = linear_cuda._counters(dev)
+    assert ops.stream_role(dev) == "main"
+    with torch.cuda.stream(side):
+        assert ops.stream_role(dev) == "side"
+        side_c = triton_util.arrival_counters(dev, "test side counters", 8)
+        side_g = linear_cuda._counters(dev)
+    # a split-K launch on the side stream may run during one on the main stream: separate counters
+    assert side_c.data_ptr() != main_c.data_ptr() and side_g.data_ptr() != main_g.data_ptr()
+    assert triton_util.arrival_counters(dev, "test side counters", 8).data_ptr() == main_c.data_ptr()

@@ -266,7 +266,6 @@ class StepPlan:
 # A second stream inside one forward
 
 _OVERLAP = [True]
-_SIDE_STREAMS: dict = {}
 
 
 def set_overlap(enabled: bool) -> bool:
@@ -282,8 +281,13 @@ class SideBranch:
     that its kernels overlap the current stream's next ones; `join()` makes the current stream wait for it before
     anything reads the branch's results. At batch 1 many decode kernels leave most of the GPU idle (a small grid,
     a serial tail), so independent chains fill those gaps. Inside a CUDA-graph capture the fork and the join are
-    graph edges and the branch's kernels parallel nodes. One side stream per device, made on first use. Tensors
-    the branch allocates belong to the side stream's pool: they must stay referenced until after `join()`.
+    graph edges and the branch's kernels parallel nodes. One side stream per device (`ops.side_stream`); ops that
+    keep per-device scratch keep a second set for it (`ops.stream_role`).
+    Memory: tensors the branch allocates belong to the side stream's pool, and the main stream may still be reading
+    one when Python frees it. That is safe because the side stream allocates only inside branches, and every
+    branch starts by waiting for the main stream (the fork): a freed block is handed out again only to work queued
+    after every main-stream read that came before. So: allocate on the side stream only inside a branch, and keep
+    the branch's results referenced until after `join()`.
     In line (no second stream) on the CPU and after `set_overlap(False)`; the results are the same bits."""
 
     def __init__(self, device: torch.device, after: "SideBranch | None" = None):
@@ -291,10 +295,7 @@ class SideBranch:
         self.main = self.side = self._ctx = None
         if _OVERLAP[0] and device.type == "cuda":
             self.main = torch.cuda.current_stream(device)
-            dev = self.main.device
-            if dev not in _SIDE_STREAMS:
-                _SIDE_STREAMS[dev] = torch.cuda.Stream(dev)
-            self.side = _SIDE_STREAMS[dev]
+            self.side = ops.side_stream(device)
             self.side.wait_stream(self.main)
             if after is not None and after.side is not None and after.side != self.side:
                 self.side.wait_stream(after.side)

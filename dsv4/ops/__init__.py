@@ -44,6 +44,32 @@ class Op:
 
 OPS: dict[str, Op] = {}
 _hook: Callable | None = None  # (op, args, kwargs) -> result; set by ab_compare
+_SIDE_STREAMS: dict = {}  # device -> its side stream
+
+
+def side_stream(device):
+    """The device's second stream, for work beside the current one (`dsv4.model.layers.SideBranch`), made on first
+    use. It comes from torch's high-priority stream pool: the default-priority streams that callers make (graph
+    capture and warm-up streams) are drawn round-robin from another pool, so they are never this stream."""
+    import torch
+
+    dev = torch.cuda.current_stream(device).device
+    if dev not in _SIDE_STREAMS:
+        _SIDE_STREAMS[dev] = torch.cuda.Stream(dev, priority=-1)
+    return _SIDE_STREAMS[dev]
+
+
+def stream_role(device) -> str:
+    """"side" when the current stream of `device` is its side stream, else "main". Kernels that keep scratch per
+    device (the arrival counters of split-K and last-to-arrive reductions) keep one set per role: a launch on the
+    side stream may run at the same time as one of the same kernel on the main stream."""
+    import torch
+
+    if getattr(device, "type", None) != "cuda":
+        return "main"
+    dev = torch.cuda.current_stream(device).device
+    side = _SIDE_STREAMS.get(dev)
+    return "side" if side is not None and torch.cuda.current_stream(dev) == side else "main"
 
 
 def register(name: str, ref: Callable, fast: Callable | None = None, *, fast_on=("cuda",),

@@ -24,6 +24,7 @@ import os
 import torch
 
 from dsv4.kernels import cuda as cuda_kernels
+from dsv4.ops import stream_role
 from dsv4.ops.linear import PreparedLinear
 
 MAX_M = 8
@@ -245,18 +246,20 @@ def gemm_splits(M: int, N: int, K: int, sms: int) -> int:
 
 
 MAX_SPLIT_TILES = 4096  # output tiles of a split-K launch (the per-device arrival counters)
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_COUNTERS: dict[tuple[torch.device, str], torch.Tensor] = {}
 
 
 def _counters(device: torch.device) -> torch.Tensor:
-    """2 x MAX_SPLIT_TILES int32 zeros for `device` (every launch leaves them zero). Made once, outside graph capture; a
-    launch captured before they exist gets its own (a memset node in its graph)."""
-    c = _COUNTERS.get(device)
+    """2 x MAX_SPLIT_TILES int32 zeros for `device` and the current stream's role (`ops.stream_role`: a launch on the
+    side stream may overlap one on the main stream); every launch leaves them zero. Made once, outside graph
+    capture; a launch captured before they exist gets its own (a memset node in its graph)."""
+    key = (device, stream_role(device))
+    c = _COUNTERS.get(key)
     if c is None:
         c = torch.zeros(2 * MAX_SPLIT_TILES, dtype=torch.int32, device=device)
         if torch.cuda.is_current_stream_capturing():
             return c
-        _COUNTERS[device] = c
+        _COUNTERS[key] = c
     return c
 
 

@@ -57,19 +57,23 @@ def e4m3_round(v):
     return (v + c) - c
 
 
-_COUNTERS: dict[tuple[torch.device, str], torch.Tensor] = {}
+_COUNTERS: dict[tuple[torch.device, str, str], torch.Tensor] = {}
 
 
 def arrival_counters(device: torch.device, name: str, n: int) -> torch.Tensor:
-    """n int32 zeros: the arrival counters of the kernels called `name` on `device` (each launch leaves them zero).
+    """n int32 zeros: the arrival counters of the kernels called `name` on `device` (each launch leaves them zero),
+    one set per stream role (`ops.stream_role`: a launch on the side stream may overlap one on the main stream).
     Made once, outside graph capture; a launch captured before they exist gets its own (a memset node). A name
     keeps its size (ValueError when asked for more)."""
-    c = _COUNTERS.get((device, name))
+    from dsv4.ops import stream_role
+
+    key = (device, name, stream_role(device))
+    c = _COUNTERS.get(key)
     if c is not None and c.numel() < n:  # never replaced: a captured graph may hold the first buffer
         raise ValueError(f"arrival_counters: {name!r} has {c.numel()} counters on {device}, {n} asked")
     if c is None:
         c = torch.zeros(n, dtype=torch.int32, device=device)
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return c  # in the graph's pool: not kept beyond this launch
-        _COUNTERS[(device, name)] = c
+        _COUNTERS[key] = c
     return c
