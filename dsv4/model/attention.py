@@ -101,9 +101,10 @@ class Attention(nn.Module):
             kv_comp = st.compressor.entries[:, :n]
             if self.indexer is not None:
                 # the indexer's chain (its queries' RoPE, scores, top-k) on the side stream too, after the
-                # compressors whose key entries it reads, beside the queries' norm + RoPE and the kv insert
+                # compressors whose key entries it reads (the same stream), beside the queries' norm + RoPE and
+                # the kv insert
                 n_vis = plan.n_visible(self.spec.ratio)  # made here: plan tensors come from this stream
-                idx_branch = SideBranch(x.device, after=comp_branch)
+                idx_branch = SideBranch(x.device)
                 with idx_branch:
                     idx_comp = self.indexer(q_idx, proj[4], plan, st.indexer, rope, n, n_vis)
             else:  # HCA: every visible entry, ascending
@@ -120,7 +121,7 @@ class Attention(nn.Module):
         else:
             kv_win = torch.cat((st.window, kv), 1)  # ring (positions < start) ++ this chunk
         idx_win = plan.win_idx.expand(B, -1, -1)
-        if self.compressor is not None:  # the last branch's join covers the one it came after
+        if self.compressor is not None:  # the last branch's join covers the earlier one (one side stream)
             (idx_branch if self.indexer is not None else comp_branch).join()
         o = ops.sparse_attn(q, kv_win, idx_win, kv_comp, idx_comp, self.attn_sink, self.head_dim ** -0.5)
 

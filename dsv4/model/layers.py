@@ -290,15 +290,13 @@ class SideBranch:
     the branch's results referenced until after `join()`.
     In line (no second stream) on the CPU and after `set_overlap(False)`; the results are the same bits."""
 
-    def __init__(self, device: torch.device, after: "SideBranch | None" = None):
-        # after: an earlier branch whose results this one reads (its stream's work comes first)
+    def __init__(self, device: torch.device):
+        # branches of one device share its side stream, so a branch's work follows every earlier branch's
         self.main = self.side = self._ctx = None
         if _OVERLAP[0] and device.type == "cuda":
             self.main = torch.cuda.current_stream(device)
             self.side = ops.side_stream(device)
             self.side.wait_stream(self.main)
-            if after is not None and after.side is not None and after.side != self.side:
-                self.side.wait_stream(after.side)
 
     def __enter__(self) -> "SideBranch":
         if self.side is not None:
