@@ -193,13 +193,18 @@ def wo_a(o2: torch.Tensor, w8: PreparedLinear, groups: int, out: torch.Tensor,
 # below: the GEMV (1-8 tokens) or the Triton kernels, as fast or faster there (H200, M = 16 / 32 / 64: wq_b 13.1 /
 # 17.1 / 17.8 us Triton vs 18.2 / 18.4 / 17.4 CUDA; wo_b 26.5 / 20.0 / 20.9 vs 23.2 / 21.8 / 22.4; docs/performance.md)
 GEMM_MIN_M = 96
-# (N, K) -> splits of K, for the shapes where the CUDA GEMM beat the Triton kernel at M = 128 (H200, same run: wq_b
-# 18.9 vs 22.5 us, wo_b 22.2 vs 25.4); the smaller projections (wq_a || wkv, indexer wq_b, shared expert) tie or lose
-# (split-K partials and two launches weigh as much as their 6-10 MB of weights), so Triton keeps them, and any other
-# shape unless its tiles alone fill half the SMs (the regime of wq_b, where the persistent grid wins)
+# (N, K) -> splits of K, for the shapes where the CUDA GEMM beat the Triton kernel at M = 128 (H200, act_quant + GEMM,
+# every split timed, docs/performance.md twelfth pass; Triton in the same session). Where a tile's S CTAs fit the GPU
+# as clusters (gemm_cluster_fit: 66 of 2, 30 of 4, 15 of 8 on an H200) the partials meet in distributed shared memory;
+# wo_b's 32 tiles of 4 do not fit and go through the workspace. shared.w2 (4096 x 2048) ties Triton (11.0 vs 10.8 us)
+# and stays there, like any other shape unless its tiles alone fill half the SMs (the regime of wq_b)
 GEMM_TUNED: dict[tuple[int, int], int] = {
-    (32768, 1024): 1,  # wq_b
-    (4096, 8192): 4,  # wo_b
+    (32768, 1024): 1,  # wq_b: 16.4 us (Triton 22.0)
+    (40960, 1024): 1,  # wq_b || indexer wq_b (CSA layers): 22.3 us (Triton 29.7)
+    (4096, 8192): 4,  # wo_b: 20.0 us (Triton 25.5); S = 2: 23.5, S = 8: 26.5
+    (1536, 4096): 8,  # wq_a || wkv: 10.7 us, clusters of 8 (Triton 13.4)
+    (2048, 4096): 4,  # the shared expert's w1 / w3 shape: 11.2 us, clusters of 4 (Triton 13.8)
+    (8192, 1024): 1,  # indexer wq_b alone: 8.5 us (Triton 9.7-9.8, sixth pass)
 }
 
 

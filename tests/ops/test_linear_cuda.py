@@ -17,7 +17,7 @@ import torch
 from dsv4 import formats
 from dsv4.kernels import cuda as cuda_kernels
 from dsv4.ops.act_quant import act_quant_ref
-from dsv4.ops.linear import linear_ref, prepare_linear
+from dsv4.ops.linear import PreparedLinear, linear_ref, prepare_linear
 from dsv4.testing import assert_bitwise_equal, assert_close_rel, graph_replay
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("built_sm90")]
@@ -161,7 +161,7 @@ def test_fast_linear_routes_decode_here(monkeypatch):
         monkeypatch.setattr(linear_cuda, name,
                             lambda *a, real=real, name=name, **k: (calls.append((name, a[0].shape[0])), real(*a, **k)))
     fast = ops.OPS["linear"].fast
-    w = _weight("fp8", 1536, 4096, seed=9)  # wq_a || wkv: Triton at 9+ tokens (measured faster there)
+    w = _weight("fp8", 1536, 4096, seed=9)  # wq_a || wkv: Triton at 9-95 tokens, the CUDA GEMM (GEMM_TUNED) from 96
     wq_b = _weight("fp8", 32768, 1024, seed=10)  # the CUDA GEMM from GEMM_MIN_M tokens
     assert linear_cuda.GEMM_MIN_M == 96
     for ww, ms in ((w, (1, 8, 9, 128)), (wq_b, (16, 95, 96, 128))):
@@ -172,7 +172,7 @@ def test_fast_linear_routes_decode_here(monkeypatch):
     # fp32 out: the MMA's block accumulation is outside op_fp32_out, so Triton's exact path runs it
     x = _x(128, 1024, torch.bfloat16, seed=3)
     assert_close_rel(fast(x, wq_b, True, torch.float32), linear_ref(x, wq_b, True, torch.float32), "op_fp32_out")
-    assert calls == [("gemv", 1), ("gemv", 8), ("gemm", 96), ("gemm", 128)]
+    assert calls == [("gemv", 1), ("gemv", 8), ("gemm", 128), ("gemm", 96), ("gemm", 128)]
     assert linear_cuda.gemm_choice(_x(128, 8192, torch.bfloat16, 4), _weight("fp8", 4096, 8192, seed=11), True,
                                    torch.bfloat16) == 4  # wo_b: split 4 ways
 
@@ -321,6 +321,23 @@ def test_gemm_odd_shapes_every_split(m, n, k):
             continue
         y = _check_gemm(x, w, splits)
         assert_bitwise_equal(_gemm(x, w, splits), y, f"rerun splits={splits}")
+
+
+def test_gemm_split_k_cluster_and_workspace_paths_agree_bitwise():
+    # split-K runs through a thread-block cluster when every tile's cluster of S CTAs fits the GPU at once, else
+    # through the global workspace; both sum the same partials in split order. Tiles are independent, so the first
+    # `fit` column tiles of a GEMM one tile too wide for clusters must equal the GEMM of exactly `fit` tiles bit for bit
+    mod = cuda_kernels.load()
+    for s in (2, 4, 8):
+        fit = mod.gemm_cluster_fit(s)
+        assert fit >= 1
+        if fit > 64:
+            continue  # keep the shapes small (clusters of 2: 66 on an H200)
+        w = _weight("fp8", (fit + 1) * 128, 1024, seed=50 + s)
+        x = _x(100, 1024, torch.bfloat16, seed=60 + s)
+        wide = _check_gemm(x, w, s)  # fit + 1 tiles: the workspace
+        narrow = PreparedLinear("fp8", fit * 128, 1024, w.weight[: fit * 128].contiguous(), w.scale[:fit].contiguous())
+        assert_bitwise_equal(_gemm(x, narrow, s), wide[:, : fit * 128], f"cluster vs workspace, splits={s}")
 
 
 def test_gemm_fp32_and_strided_x():

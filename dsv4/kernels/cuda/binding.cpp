@@ -217,7 +217,8 @@ void gemm_fp8(const at::Tensor& xq, const at::Tensor& xs, const at::Tensor& w, c
               "gemm_fp8: out must be bf16 with unit column stride, 16-byte aligned rows");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(xq.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0,
               "gemm_fp8: xq and w must be 16-byte aligned");
-  TORCH_CHECK(splits >= 1 && splits <= 8 && (K / 128) >= splits, "gemm_fp8: 1 <= splits <= min(8, K / 128)");
+  TORCH_CHECK((splits == 1 || splits == 2 || splits == 4 || splits == 8) && (K / 128) >= splits,
+              "gemm_fp8: splits must be 1, 2, 4 or 8 (each sums 128 / splits rows of a tile), at most K / 128");
   TORCH_CHECK(ctas >= 1, "gemm_fp8: ctas must be >= 1");
   const int64_t tiles = ((M + 127) / 128) * ((N + 127) / 128);
   if (splits > 1) {
@@ -249,6 +250,13 @@ void gemm_fp8(const at::Tensor& xq, const at::Tensor& xs, const at::Tensor& w, c
   DSV4_CHECK(e == cudaSuccess, "gemm_fp8 launch failed: %s", cudaGetErrorString(e));
 }
 }  // namespace
+
+// clusters of `splits` GEMM CTAs the current device holds at once: split-K runs through a cluster where every output
+// tile's fits (0: never)
+int64_t gemm_cluster_fit(int64_t splits) {
+  TORCH_CHECK(splits >= 1 && splits <= 8, "gemm_cluster_fit: splits must be 1..8");
+  return dsv4::gemm_cluster_fit(static_cast<int>(splits));
+}
 
 // benchmarks: one plain read of buf (uint8, contiguous, 16-byte aligned, a multiple of 16 bytes); out [blocks, 4]
 // int32 receives each CTA's xor of what it read
@@ -349,6 +357,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv, "skinny GEMV (1-8 tokens) on fp8 block-scaled or bf16 weights (gemv.cu)");
   m.def("gemv_smem", &gemv_smem, "dynamic shared memory bytes of one gemv CTA");
   m.def("act_quant", &act_quant, "FP8 1x128 activation quantization, power-of-two scales (gemm.cu)");
+  m.def("gemm_cluster_fit", &gemm_cluster_fit, "clusters of `splits` prefill-GEMM CTAs the device holds at once");
   m.def("gemm_fp8", &gemm_fp8, "prefill GEMM on fp8 block-scaled weights, TMA + wgmma (gemm.cu)");
   m.def("mhc_boundary", &mhc_boundary, "one mHC boundary (post, pre, RMSNorm) of 1-8 tokens (mhc.cu)");
   m.def("moe_decode", &moe_decode, "decode MoE experts of one token: MXFP4 routed + FP8 shared (moe.cu)");

@@ -13,8 +13,15 @@
 // 64-float accumulator sets spilled under the 168-register cap of a 384-thread CTA).
 // - S == 1: the bf16 tile goes out through shared memory as whole 16-byte chunks (4-byte stores straight from the
 //   MMA fragments left half-written 32-byte sectors: ~7 us of wq_b's 20 at M = 128).
-// - S > 1: each unit writes its fp32 partial to a workspace; when all S units of a tile have arrived, unit s sums
-//   its 128 / S rows of the S partials in split order (same input, same bits; no atomics on data).
+// - S > 1, where the tiles' clusters of S CTAs fit the GPU at once (cluster): the S units of a tile run on the S CTAs
+//   of a thread-block cluster (rank = split). Each leaves its fp32 partial in its own shared memory; once all S have
+//   (an mbarrier per CTA that every rank arrives on), rank s sums its 128 / S rows of the S partials, read through
+//   distributed shared memory, in split order, and writes them. A second mbarrier says when every rank is done
+//   reading, before a partial is overwritten or its CTA exits. Through global memory (below) the partials' stores,
+//   fence, arrival counter, polling and loads took ~4.5 us of a launch.
+// - S > 1 otherwise (clusters of S are placed per GPC: a GPU of 132 SMs may not hold 32 clusters of 4): each unit
+//   writes its fp32 partial to a workspace; when all S units of a tile have arrived, unit s sums its 128 / S rows of
+//   the S partials in split order. Either way: same input, same bits, no atomics on data, the same sums.
 // Programmatic dependent launch: the weight tiles of the first stages are requested before griddepcontrol.wait
 // (weights are never written by an earlier kernel); xq and its scales after it.
 #include <cuda.h>
@@ -35,12 +42,15 @@ constexpr int kThreads = 128 * (kConsumers + 1);
 constexpr int kStages = 4;  // a power of two: the ring index is a mask (6 stages measured 0.5 us slower)
 constexpr int kTileBytes = kTile * kTile;      // one e4m3 operand tile
 constexpr int kStageBytes = 2 * kTileBytes;    // A + B
-constexpr int kStagingBytes = kConsumers * 64 * kTile * 2;  // the bf16 out tile
+constexpr int kOutStageBytes = 64 * kTile * 2;  // a consumer warpgroup's bf16 out rows (S == 1)
+constexpr int kPartPitch = kTile + 8;           // fp32 partial rows (S > 1): 8 floats of padding spread the banks
+constexpr int kPartBytes = kTile * kPartPitch * 4;
+constexpr int kStagingBytes = kPartBytes > kConsumers * kOutStageBytes ? kPartBytes : kConsumers * kOutStageBytes;
 // registers per thread after setmaxnreg: 128 x 40 + 256 x 232 <= 64K
 constexpr int kProducerRegs = 40;
 constexpr int kConsumerRegs = 232;
 static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= 65536, "register file");
-constexpr int kSmemBytes = kStages * kStageBytes + kStagingBytes + 16 * kStages + 16 + 1024;
+constexpr int kSmemBytes = kStages * kStageBytes + kStagingBytes + 16 * kStages + 16 + 1024;  // + 2 barriers
 
 // ---- mbarrier, TMA, wgmma (PTX) ----
 
@@ -52,14 +62,25 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
 }
 
+// waits for the phase of `parity` to complete; kCluster: with acquire semantics at cluster scope (the arrivals
+// released other CTAs' writes to their shared memory, read next through distributed shared memory)
+template <bool kCluster = false>
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   uint32_t done;
   do {
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
+    if constexpr (kCluster) {
+      asm volatile(
+          "{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
+          : "=r"(done)
+          : "r"(bar), "r"(parity)
+          : "memory");
+    } else {
+      asm volatile(
+          "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
+          : "=r"(done)
+          : "r"(bar), "r"(parity)
+          : "memory");
+    }
   } while (!done);
 }
 
@@ -69,6 +90,29 @@ __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
 
 __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// ---- thread-block cluster: remote mbarrier arrivals and distributed shared memory reads ----
+
+__device__ __forceinline__ uint32_t cluster_addr(uint32_t local, int rank) {  // the same offset in CTA `rank`
+  uint32_t out;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(out) : "r"(local), "r"(rank));
+  return out;
+}
+
+// arrive on the mbarrier at shared::cluster address `bar`, releasing this thread's (and, through a preceding
+// barrier, its CTA's) writes to the cluster
+__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar) {
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ float4 ld_cluster_f4(uint32_t addr) {
+  float4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
 }
 
 // a 128 x 128-byte box of a 2-D e4m3 tensor map at (column c0, row c1) -> shared memory, completing on bar
@@ -195,10 +239,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ unsigned char smem_raw[];
   // the swizzle atoms must be 1024-byte aligned
   unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
-  unsigned char* staging = smem + kStages * kStageBytes;  // bf16 out tile, 16 KB per consumer warpgroup
+  unsigned char* staging = smem + kStages * kStageBytes;  // the bf16 out tile (S == 1) or the fp32 partial (S > 1)
   const uint32_t ring = smem_addr(smem);
   const uint32_t full0 = smem_addr(staging + kStagingBytes);  // full[s] = full0 + 8 s, empty[s] = empty0 + 8 s
   const uint32_t empty0 = full0 + 8 * kStages;
+  const uint32_t ready_bar = empty0 + 8 * kStages;  // S > 1: every rank's partial of the current tile is in place
+  const uint32_t done_bar = ready_bar + 8;          // S > 1: every rank has read this CTA's partial
 
   const int wg = threadIdx.x >> 7;
   const int tiles_m = (a.M + kTile - 1) / kTile;
@@ -210,6 +256,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(full0 + 8 * s, 1);
       mbar_init(empty0 + 8 * s, 128 * kConsumers);
     }
+    mbar_init(ready_bar, a.S);
+    mbar_init(done_bar, a.S);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
@@ -256,7 +304,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int r_wg = warp * 16 + (lane >> 2);  // the thread's first row in the warpgroup's 64 (second: + 8)
     const int r_in = wg * 64 + r_wg;            // ... in the tile
     const int c_in = 2 * (lane & 3);            // its first column in every 8-column group
-    unsigned char* stg = staging + wg * (kStagingBytes / kConsumers);
+    unsigned char* stg = staging + wg * kOutStageBytes;
+    float* cpart = reinterpret_cast<float*>(staging);  // S > 1 through a cluster: this rank's fp32 partial
+    int ui = 0;  // units done by this CTA (the cluster barriers' phase)
     float acc[64], tot[64];
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
@@ -269,7 +319,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       const float* wsr = a.ws + static_cast<long long>(w.n0 / kTile) * kb_n;
 #pragma unroll
       for (int i = 0; i < 64; ++i) tot[i] = 0.0f;
-      float sa0 = __ldg(xs0 + w.kb0), sa1 = __ldg(xs1 + w.kb0), sb = __ldg(wsr + w.kb0);
+      const int k0 = min(w.kb0, kb_n - 1);  // an empty split (kb0 == kb1, K / 128 not a multiple of S) reads nothing past K
+      float sa0 = __ldg(xs0 + k0), sa1 = __ldg(xs1 + k0), sb = __ldg(wsr + k0);
       for (int kb = w.kb0; kb < w.kb1; ++kb, ++it) {
         const int s = it % kStages;
         const int kn = min(kb + 1, w.kb1 - 1);  // the next block's scales, loaded while this one multiplies
@@ -296,7 +347,45 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         sa0 = na0, sa1 = na1, sb = nb;
       }
-      if (a.S > 1) {
+      if (a.S > 1 && a.cluster) {
+        // ---- split-K across the cluster: this rank's partial -> its shared memory; once every rank's is there,
+        // rows [split * 128 / S, (split + 1) * 128 / S) of the S partials summed in split order ----
+        if (ui > 0) mbar_wait<true>(done_bar, (ui - 1) & 1);  // every rank has read the previous partial
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          const int c = 8 * j + c_in;
+          *reinterpret_cast<float2*>(cpart + r_in * kPartPitch + c) = make_float2(tot[4 * j], tot[4 * j + 1]);
+          *reinterpret_cast<float2*>(cpart + (r_in + 8) * kPartPitch + c) = make_float2(tot[4 * j + 2], tot[4 * j + 3]);
+        }
+        asm volatile("fence.acq_rel.cluster;" ::: "memory");
+        consumer_bar();
+        if (threadIdx.x < a.S) mbar_arrive_cluster(cluster_addr(ready_bar, threadIdx.x));
+        mbar_wait<true>(ready_bar, ui & 1);
+        const int rows = kTile / a.S;
+        const uint32_t part0 = smem_addr(cpart);
+        for (int i = threadIdx.x; i < rows * (kTile / 4); i += 128 * kConsumers) {
+          const int r = w.split * rows + i / (kTile / 4), c = 4 * (i % (kTile / 4));
+          const int gr = w.m0 + r, gc = w.n0 + c;
+          if (gr >= a.M || gc >= a.N) continue;
+          const uint32_t off = part0 + (r * kPartPitch + c) * 4;
+          float4 p[8];
+#pragma unroll
+          for (int q = 0; q < 8; ++q)  // every rank's load in flight at once
+            if (q < a.S) p[q] = ld_cluster_f4(cluster_addr(off, q));
+          float4 sum = p[0];
+#pragma unroll
+          for (int q = 1; q < 8; ++q)  // split order
+            if (q < a.S) sum.x += p[q].x, sum.y += p[q].y, sum.z += p[q].z, sum.w += p[q].w;
+          __nv_bfloat162 lo = __floats2bfloat162_rn(sum.x, sum.y), hi = __floats2bfloat162_rn(sum.z, sum.w);
+          uint2 packed;
+          packed.x = *reinterpret_cast<uint32_t*>(&lo);
+          packed.y = *reinterpret_cast<uint32_t*>(&hi);
+          *reinterpret_cast<uint2*>(a.out + static_cast<long long>(gr) * a.so + gc) = packed;
+        }
+        consumer_bar();  // this CTA's reads of every rank's partial are done
+        if (threadIdx.x < a.S) mbar_arrive_cluster(cluster_addr(done_bar, threadIdx.x));
+        ++ui;
+      } else if (a.S > 1) {
         // ---- split-K: every unit leaves its fp32 partial in the workspace; once all S of the tile have (they run in
         // the same wave: the grid is at most one CTA per SM, and a unit only waits for units of the same or the next
         // round), unit s sums rows [s * 128 / S, (s + 1) * 128 / S) of the S partials in split order: the same bits
@@ -373,6 +462,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     }
+    // every rank has read this CTA's last partial: its shared memory may go
+    if (a.cluster && ui > 0) mbar_wait<true>(done_bar, (ui - 1) & 1);
   }
   griddep_launch_dependents();
 }
@@ -429,14 +520,57 @@ cudaError_t act_quant_launch(const ActQuantArgs& a, bool pdl, cudaStream_t strea
   return cudaLaunchKernelEx(&cfg, act_quant_kernel, a);
 }
 
-cudaError_t gemm_fp8_launch(const GemmFp8Args& a, bool pdl, cudaStream_t stream) {
+// clusters of S gemm_fp8_kernel CTAs that fit the device at once (cached per size: one GPU model per process)
+static int cluster_fit(int S) {
+  static int fit[9] = {0};
+  if (S < 2 || S > 8) return 0;
+  if (fit[S] == 0) {
+    if (cudaFuncSetAttribute(gemm_fp8_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) != cudaSuccess)
+      return 0;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(static_cast<unsigned>(S), 1, 1);
+    cfg.blockDim = dim3(kThreads, 1, 1);
+    cfg.dynamicSmemBytes = kSmemBytes;
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = S;
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    int n = 0;
+    if (cudaOccupancyMaxActiveClusters(&n, gemm_fp8_kernel, &cfg) != cudaSuccess) {
+      (void)cudaGetLastError();
+      n = 0;
+    }
+    fit[S] = n > 0 ? n : -1;
+  }
+  return fit[S] > 0 ? fit[S] : 0;
+}
+
+int gemm_cluster_fit(int splits) { return cluster_fit(splits); }
+
+cudaError_t gemm_fp8_launch(GemmFp8Args a, bool pdl, cudaStream_t stream) {
   CUtensorMap map_a, map_b;
   if (!encode_map(&map_a, a.xq, a.M, a.K) || !encode_map(&map_b, a.w, a.N, a.K)) return cudaErrorInvalidValue;
   const cudaError_t e = cudaFuncSetAttribute(gemm_fp8_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (e != cudaSuccess) return e;
-  const int units = ((a.M + kTile - 1) / kTile) * ((a.N + kTile - 1) / kTile) * a.S;
-  cudaLaunchAttribute attr;
-  const cudaLaunchConfig_t cfg = launch_config(min(units, a.ctas), kThreads, kSmemBytes, pdl, stream, attr);
+  const int tiles = ((a.M + kTile - 1) / kTile) * ((a.N + kTile - 1) / kTile);
+  const int units = tiles * a.S;
+  // split-K through a cluster where every tile's cluster fits at once, else through the workspace (whose units
+  // wait for each other: the grid is at most one CTA per SM, all resident)
+  a.cluster = a.S > 1 && tiles <= cluster_fit(a.S);
+  cudaLaunchAttribute attrs[2];
+  cudaLaunchConfig_t cfg = launch_config(a.cluster ? units : min(units, a.ctas), kThreads, kSmemBytes, pdl, stream,
+                                         attrs[0]);
+  if (a.cluster) {
+    attrs[cfg.numAttrs].id = cudaLaunchAttributeClusterDimension;
+    attrs[cfg.numAttrs].val.clusterDim.x = a.S;
+    attrs[cfg.numAttrs].val.clusterDim.y = 1;
+    attrs[cfg.numAttrs].val.clusterDim.z = 1;
+    cfg.attrs = attrs;
+    ++cfg.numAttrs;
+  }
   return cudaLaunchKernelEx(&cfg, gemm_fp8_kernel, map_a, map_b, a);
 }
 

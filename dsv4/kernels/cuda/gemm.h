@@ -31,10 +31,14 @@ struct GemmFp8Args {
   int ctas;              // CTAs of the persistent grid (at most one per work unit)
   float* part;           // S > 1: [tiles * S, 128, 128] fp32 partials (workspace)
   int* counters;         // S > 1: two int32 per output tile (arrived, done), zero before and after a launch
+  int cluster;           // set by the launcher: S > 1 through a thread-block cluster (part and counters unused)
 };
 
 // Tensor maps are encoded on the host for every launch (a few microseconds; prefill only). K % 128 == 0,
 // N % 8 == 0, 16-byte aligned xq / w / out rows (checked by the binding).
-cudaError_t gemm_fp8_launch(const GemmFp8Args& a, bool pdl, cudaStream_t stream);
+cudaError_t gemm_fp8_launch(GemmFp8Args a, bool pdl, cudaStream_t stream);
+
+// clusters of `splits` GEMM CTAs the device holds at once (0 where none, or splits outside 2..8)
+int gemm_cluster_fit(int splits);
 
 }  // namespace dsv4
