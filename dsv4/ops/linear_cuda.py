@@ -233,10 +233,22 @@ def gemm_choice(x2: torch.Tensor, w: PreparedLinear, act_quant: bool, out_dtype:
     if M < GEMM_MIN_M or not gemm_applies(x2, w, act_quant, out_dtype):
         return None
     s = GEMM_TUNED.get((w.n, w.k))
-    if s is not None:
-        return min(s, w.k // 128)
     tiles = -(-M // 128) * -(-w.n // 128)
+    if s is not None:
+        # measured at M = 128; more rows give more tiles: fewer splits while neither their clusters nor their units
+        # fit the GPU at once
+        while s > 1 and tiles > cluster_fit(_index(x2), s) and tiles * s > _sms(_index(x2)):
+            s //= 2
+        return s
     return 1 if 2 * tiles >= _sms(_index(x2)) else None
+
+
+@functools.lru_cache(maxsize=None)
+def cluster_fit(index: int, splits: int) -> int:
+    """Clusters of `splits` GEMM CTAs device `index` holds at once: split-K goes through a cluster where every output
+    tile's fits, else through the workspace (gemm.cu)."""
+    with torch.cuda.device(index):
+        return int(cuda_kernels.load().gemm_cluster_fit(splits))
 
 
 def gemm_splits(M: int, N: int, K: int, sms: int) -> int:

@@ -14,10 +14,9 @@
 // - S == 1: the bf16 tile goes out through shared memory as whole 16-byte chunks (4-byte stores straight from the
 //   MMA fragments left half-written 32-byte sectors: ~7 us of wq_b's 20 at M = 128).
 // - S > 1, where the tiles' clusters of S CTAs fit the GPU at once (cluster): the S units of a tile run on the S CTAs
-//   of a thread-block cluster (rank = split). Each leaves its fp32 partial in its own shared memory; once all S have
-//   (an mbarrier per CTA that every rank arrives on), rank s sums its 128 / S rows of the S partials, read through
-//   distributed shared memory, in split order, and writes them. A second mbarrier says when every rank is done
-//   reading, before a partial is overwritten or its CTA exits. Through global memory (below) the partials' stores,
+//   of a thread-block cluster (rank = split), one unit per CTA. Each leaves its fp32 partial in its own shared
+//   memory; after a cluster barrier, rank s sums its 128 / S rows of the S partials, read through distributed shared
+//   memory, in split order, and writes them; a second cluster barrier keeps every CTA until all reads are done. Through global memory (below) the partials' stores,
 //   fence, arrival counter, polling and loads took ~4.5 us of a launch.
 // - S > 1 otherwise (clusters of S are placed per GPC: a GPU of 132 SMs may not hold 32 clusters of 4): each unit
 //   writes its fp32 partial to a workspace; when all S units of a tile have arrived, unit s sums its 128 / S rows of
@@ -49,8 +48,10 @@ constexpr int kStagingBytes = kPartBytes > kConsumers * kOutStageBytes ? kPartBy
 // registers per thread after setmaxnreg: 128 x 40 + 256 x 232 <= 64K
 constexpr int kProducerRegs = 40;
 constexpr int kConsumerRegs = 232;
-static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= 65536, "register file");
-constexpr int kSmemBytes = kStages * kStageBytes + kStagingBytes + 16 * kStages + 16 + 1024;  // + 2 barriers
+// the pool setmaxnreg redistributes is what the launch allocated: the 384 threads' share, in multiples of 8
+static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= (65536 / kThreads) / 8 * 8 * kThreads,
+              "setmaxnreg: more registers than the CTA holds");
+constexpr int kSmemBytes = kStages * kStageBytes + kStagingBytes + 16 * kStages + 16 + 1024;
 
 // ---- mbarrier, TMA, wgmma (PTX) ----
 
@@ -62,25 +63,14 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
 }
 
-// waits for the phase of `parity` to complete; kCluster: with acquire semantics at cluster scope (the arrivals
-// released other CTAs' writes to their shared memory, read next through distributed shared memory)
-template <bool kCluster = false>
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   uint32_t done;
   do {
-    if constexpr (kCluster) {
-      asm volatile(
-          "{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
-          : "=r"(done)
-          : "r"(bar), "r"(parity)
-          : "memory");
-    } else {
-      asm volatile(
-          "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
-          : "=r"(done)
-          : "r"(bar), "r"(parity)
-          : "memory");
-    }
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
   } while (!done);
 }
 
@@ -100,10 +90,9 @@ __device__ __forceinline__ uint32_t cluster_addr(uint32_t local, int rank) {  //
   return out;
 }
 
-// arrive on the mbarrier at shared::cluster address `bar`, releasing this thread's (and, through a preceding
-// barrier, its CTA's) writes to the cluster
-__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar) {
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(bar) : "memory");
+// every thread of every CTA of the cluster: writes before it (shared memory included) are visible to reads after it
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
 __device__ __forceinline__ float4 ld_cluster_f4(uint32_t addr) {
@@ -243,8 +232,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t ring = smem_addr(smem);
   const uint32_t full0 = smem_addr(staging + kStagingBytes);  // full[s] = full0 + 8 s, empty[s] = empty0 + 8 s
   const uint32_t empty0 = full0 + 8 * kStages;
-  const uint32_t ready_bar = empty0 + 8 * kStages;  // S > 1: every rank's partial of the current tile is in place
-  const uint32_t done_bar = ready_bar + 8;          // S > 1: every rank has read this CTA's partial
 
   const int wg = threadIdx.x >> 7;
   const int tiles_m = (a.M + kTile - 1) / kTile;
@@ -256,8 +243,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(full0 + 8 * s, 1);
       mbar_init(empty0 + 8 * s, 128 * kConsumers);
     }
-    mbar_init(ready_bar, a.S);
-    mbar_init(done_bar, a.S);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
@@ -296,6 +281,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     }
+    if (a.cluster) {  // the consumers' two cluster barriers (one unit per CTA)
+      __syncwarp();
+      cluster_sync();
+      cluster_sync();
+    }
   } else {
     // ---- consumers: warpgroup wg owns rows [64 wg, 64 wg + 64) of the tile ----
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegs) : "memory");
@@ -306,7 +296,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int c_in = 2 * (lane & 3);            // its first column in every 8-column group
     unsigned char* stg = staging + wg * kOutStageBytes;
     float* cpart = reinterpret_cast<float*>(staging);  // S > 1 through a cluster: this rank's fp32 partial
-    int ui = 0;  // units done by this CTA (the cluster barriers' phase)
     float acc[64], tot[64];
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
@@ -350,17 +339,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (a.S > 1 && a.cluster) {
         // ---- split-K across the cluster: this rank's partial -> its shared memory; once every rank's is there,
         // rows [split * 128 / S, (split + 1) * 128 / S) of the S partials summed in split order ----
-        if (ui > 0) mbar_wait<true>(done_bar, (ui - 1) & 1);  // every rank has read the previous partial
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
           const int c = 8 * j + c_in;
           *reinterpret_cast<float2*>(cpart + r_in * kPartPitch + c) = make_float2(tot[4 * j], tot[4 * j + 1]);
           *reinterpret_cast<float2*>(cpart + (r_in + 8) * kPartPitch + c) = make_float2(tot[4 * j + 2], tot[4 * j + 3]);
         }
-        asm volatile("fence.acq_rel.cluster;" ::: "memory");
-        consumer_bar();
-        if (threadIdx.x < a.S) mbar_arrive_cluster(cluster_addr(ready_bar, threadIdx.x));
-        mbar_wait<true>(ready_bar, ui & 1);
+        cluster_sync();  // every rank's partial is in place (the producer warpgroups take part)
         const int rows = kTile / a.S;
         const uint32_t part0 = smem_addr(cpart);
         for (int i = threadIdx.x; i < rows * (kTile / 4); i += 128 * kConsumers) {
@@ -382,9 +367,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           packed.y = *reinterpret_cast<uint32_t*>(&hi);
           *reinterpret_cast<uint2*>(a.out + static_cast<long long>(gr) * a.so + gc) = packed;
         }
-        consumer_bar();  // this CTA's reads of every rank's partial are done
-        if (threadIdx.x < a.S) mbar_arrive_cluster(cluster_addr(done_bar, threadIdx.x));
-        ++ui;
+        cluster_sync();  // every rank is done reading the partials: none leaves while another reads its memory
       } else if (a.S > 1) {
         // ---- split-K: every unit leaves its fp32 partial in the workspace; once all S of the tile have (they run in
         // the same wave: the grid is at most one CTA per SM, and a unit only waits for units of the same or the next
@@ -462,8 +445,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     }
-    // every rank has read this CTA's last partial: its shared memory may go
-    if (a.cluster && ui > 0) mbar_wait<true>(done_bar, (ui - 1) & 1);
   }
   griddep_launch_dependents();
 }
