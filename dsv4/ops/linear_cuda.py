@@ -243,12 +243,23 @@ def gemm_choice(x2: torch.Tensor, w: PreparedLinear, act_quant: bool, out_dtype:
     return 1 if 2 * tiles >= _sms(_index(x2)) else None
 
 
-@functools.lru_cache(maxsize=None)
+_CLUSTER_FIT: dict[tuple[int, int], int] = {}
+
+
 def cluster_fit(index: int, splits: int) -> int:
     """Clusters of `splits` GEMM CTAs device `index` holds at once: split-K goes through a cluster where every output
-    tile's fits, else through the workspace (gemm.cu)."""
-    with torch.cuda.device(index):
-        return int(cuda_kernels.load().gemm_cluster_fit(splits))
+    tile's fits, else through the workspace (gemm.cu). Cached per device; a failed occupancy query counts as 0 (the
+    workspace) this time and is asked again next time."""
+    key = (index, splits)
+    n = _CLUSTER_FIT.get(key)
+    if n is None:
+        try:
+            with torch.cuda.device(index):
+                n = int(cuda_kernels.load().gemm_cluster_fit(splits))
+        except RuntimeError:
+            return 0
+        _CLUSTER_FIT[key] = n
+    return n
 
 
 def gemm_splits(M: int, N: int, K: int, sms: int) -> int:
@@ -288,7 +299,7 @@ def gemm(x2: torch.Tensor, w: PreparedLinear, out: torch.Tensor, splits: int | N
     s = splits or gemm_splits(M, w.n, w.k, sms)
     tiles = -(-M // 128) * -(-w.n // 128)
     part = cnt = None
-    if s > 1:
+    if s > 1 and tiles > cluster_fit(_index(x2), s):  # else the partials meet in the clusters' shared memory
         if tiles > MAX_SPLIT_TILES:
             raise ValueError(f"linear_cuda.gemm: split-K over {tiles} tiles (at most {MAX_SPLIT_TILES})")
         part = torch.empty(tiles * s * 128 * 128, dtype=torch.float32, device=x2.device)

@@ -339,6 +339,32 @@ def test_gemm_split_k_cluster_and_workspace_paths_agree_bitwise():
         assert_bitwise_equal(_gemm(x, narrow, s), wide[:, : fit * 128], f"cluster vs workspace, splits={s}")
 
 
+def test_gemm_split_k_workspace_only_where_the_clusters_do_not_fit():
+    # the cluster path takes no workspace (the binding runs it without one); the workspace path refuses to run
+    # without it, with a one-line reason; gemm_cluster_fit takes the splits gemm_fp8 takes
+    mod = cuda_kernels.load()
+    with pytest.raises(RuntimeError, match="splits must be 1, 2, 4 or 8"):
+        mod.gemm_cluster_fit(3)
+    assert mod.gemm_cluster_fit(1) == 0
+    s, fit = 2, mod.gemm_cluster_fit(2)
+    if fit == 0:
+        pytest.skip("no cluster of 2 GEMM CTAs fits this GPU")
+    x = _x(64, 1024, torch.bfloat16, seed=81)
+    xq = torch.empty(64, 1024, dtype=torch.float8_e4m3fn, device="cuda")
+    xs = torch.empty(64, 8, dtype=torch.float32, device="cuda")
+    mod.act_quant(x, xq, xs, False)
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    for tiles, ok in ((fit, True), (fit + 1, False)):
+        w = _weight("fp8", tiles * 128, 1024, seed=82 + tiles)
+        out = torch.empty(64, tiles * 128, dtype=torch.bfloat16, device="cuda")
+        if ok:
+            mod.gemm_fp8(xq, xs, w.weight, w.scale, out, s, sms, None, None, False)
+            assert_bitwise_equal(out, _gemm(x, w, s), "cluster path without a workspace")
+        else:
+            with pytest.raises(RuntimeError, match="needs a contiguous fp32 workspace"):
+                mod.gemm_fp8(xq, xs, w.weight, w.scale, out, s, sms, None, None, False)
+
+
 def test_gemm_choice_fewer_splits_when_more_rows_overflow_the_gpu():
     # GEMM_TUNED's splits were measured at 128 rows; at 256 rows wq_a || wkv has 24 tiles: their clusters of 8 do not
     # fit at once (15 on an H200) nor do their 192 units fit one CTA per SM, so fewer splits run

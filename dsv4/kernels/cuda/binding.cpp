@@ -221,10 +221,14 @@ void gemm_fp8(const at::Tensor& xq, const at::Tensor& xs, const at::Tensor& w, c
               "gemm_fp8: splits must be 1, 2, 4 or 8 (each sums 128 / splits rows of a tile), at most K / 128");
   TORCH_CHECK(ctas >= 1, "gemm_fp8: ctas must be >= 1");
   const int64_t tiles = ((M + 127) / 128) * ((N + 127) / 128);
-  if (splits > 1) {
-    TORCH_CHECK(part.has_value() && part->is_cuda() && part->scalar_type() == at::kFloat && part->is_contiguous() &&
+  const c10::cuda::CUDAGuard guard(xq.device());
+  // split-K through clusters where every tile's fits (no workspace), else through the workspace
+  const bool workspace = splits > 1 && tiles > dsv4::gemm_cluster_fit(static_cast<int>(splits));
+  if (workspace) {
+    DSV4_CHECK(part.has_value() && part->is_cuda() && part->scalar_type() == at::kFloat && part->is_contiguous() &&
                     part->numel() >= tiles * splits * 128 * 128,
-                "gemm_fp8: split-K needs a contiguous fp32 workspace of tiles * splits * 128 * 128");
+                "gemm_fp8: split-K over %lld tiles needs a contiguous fp32 workspace of tiles * splits * 128 * 128 "
+                "(its clusters do not fit the GPU at once)", static_cast<long long>(tiles));
     TORCH_CHECK(counters.has_value() && counters->is_cuda() && counters->scalar_type() == at::kInt &&
                     counters->is_contiguous() && counters->numel() >= 2 * tiles,
                 "gemm_fp8: split-K needs int32 counters, two per output tile");
@@ -241,21 +245,22 @@ void gemm_fp8(const at::Tensor& xq, const at::Tensor& xs, const at::Tensor& w, c
   a.K = static_cast<int>(K);
   a.S = static_cast<int>(splits);
   a.ctas = static_cast<int>(ctas);
-  if (splits > 1) {
+  if (workspace) {
     a.part = part->data_ptr<float>();
     a.counters = counters->data_ptr<int>();
   }
-  const c10::cuda::CUDAGuard guard(xq.device());
   const cudaError_t e = dsv4::gemm_fp8_launch(a, pdl, c10::cuda::getCurrentCUDAStream().stream());
   DSV4_CHECK(e == cudaSuccess, "gemm_fp8 launch failed: %s", cudaGetErrorString(e));
 }
 }  // namespace
 
 // clusters of `splits` GEMM CTAs the current device holds at once: split-K runs through a cluster where every output
-// tile's fits (0: never)
+// tile's fits (0: never, and for splits = 1); an error when the occupancy query fails
 int64_t gemm_cluster_fit(int64_t splits) {
-  TORCH_CHECK(splits >= 1 && splits <= 8, "gemm_cluster_fit: splits must be 1..8");
-  return dsv4::gemm_cluster_fit(static_cast<int>(splits));
+  TORCH_CHECK(splits == 1 || splits == 2 || splits == 4 || splits == 8, "gemm_cluster_fit: splits must be 1, 2, 4 or 8");
+  const int n = dsv4::gemm_cluster_fit(static_cast<int>(splits));
+  DSV4_CHECK(n >= 0, "gemm_cluster_fit: the cluster occupancy query failed for %d-CTA clusters", static_cast<int>(splits));
+  return n;
 }
 
 // benchmarks: one plain read of buf (uint8, contiguous, 16-byte aligned, a multiple of 16 bytes); out [blocks, 4]

@@ -501,32 +501,42 @@ cudaError_t act_quant_launch(const ActQuantArgs& a, bool pdl, cudaStream_t strea
   return cudaLaunchKernelEx(&cfg, act_quant_kernel, a);
 }
 
-// clusters of S gemm_fp8_kernel CTAs that fit the device at once (cached per size: one GPU model per process)
+// clusters of S gemm_fp8_kernel CTAs that fit the current device at once (S = 2, 4, 8; else 0), cached per device;
+// -1 when the occupancy query fails (not cached: asked again next time)
+constexpr int kMaxDevices = 64;
 static int cluster_fit(int S) {
-  static int fit[9] = {0};
-  if (S < 2 || S > 8) return 0;
-  if (fit[S] == 0) {
-    if (cudaFuncSetAttribute(gemm_fp8_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) != cudaSuccess)
-      return 0;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(static_cast<unsigned>(S), 1, 1);
-    cfg.blockDim = dim3(kThreads, 1, 1);
-    cfg.dynamicSmemBytes = kSmemBytes;
-    cudaLaunchAttribute attr;
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = S;
-    attr.val.clusterDim.y = 1;
-    attr.val.clusterDim.z = 1;
-    cfg.attrs = &attr;
-    cfg.numAttrs = 1;
-    int n = 0;
-    if (cudaOccupancyMaxActiveClusters(&n, gemm_fp8_kernel, &cfg) != cudaSuccess) {
-      (void)cudaGetLastError();
-      n = 0;
-    }
-    fit[S] = n > 0 ? n : -1;
+  static int fit[kMaxDevices][9] = {};
+  if (S < 2 || S > 8 || (S & (S - 1)) != 0) return 0;
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return -1;
   }
-  return fit[S] > 0 ? fit[S] : 0;
+  int* slot = dev < kMaxDevices ? &fit[dev][S] : nullptr;
+  if (slot != nullptr && *slot != 0) return *slot - 1;  // stored + 1: 0 means "not asked yet"
+  if (cudaFuncSetAttribute(gemm_fp8_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return -1;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(S), 1, 1);
+  cfg.blockDim = dim3(kThreads, 1, 1);
+  cfg.dynamicSmemBytes = kSmemBytes;
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = S;
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, gemm_fp8_kernel, &cfg) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return -1;
+  }
+  n = n > 0 ? n : 0;
+  if (slot != nullptr) *slot = n + 1;
+  return n;
 }
 
 int gemm_cluster_fit(int splits) { return cluster_fit(splits); }
@@ -541,6 +551,7 @@ cudaError_t gemm_fp8_launch(GemmFp8Args a, bool pdl, cudaStream_t stream) {
   // split-K through a cluster where every tile's cluster fits at once, else through the workspace (whose units
   // wait for each other: the grid is at most one CTA per SM, all resident)
   a.cluster = a.S > 1 && tiles <= cluster_fit(a.S);
+  if (a.S > 1 && !a.cluster && (a.part == nullptr || a.counters == nullptr)) return cudaErrorInvalidValue;
   cudaLaunchAttribute attrs[2];
   cudaLaunchConfig_t cfg = launch_config(a.cluster ? units : min(units, a.ctas), kThreads, kSmemBytes, pdl, stream,
                                          attrs[0]);

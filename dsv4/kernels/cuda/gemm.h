@@ -38,7 +38,8 @@ struct GemmFp8Args {
 // N % 8 == 0, 16-byte aligned xq / w / out rows (checked by the binding).
 cudaError_t gemm_fp8_launch(GemmFp8Args a, bool pdl, cudaStream_t stream);
 
-// clusters of `splits` GEMM CTAs the device holds at once (0 where none, or splits outside 2..8)
+// clusters of `splits` GEMM CTAs the current device holds at once (0 where none, or splits other than 2, 4, 8; -1
+// when the occupancy query failed). Split-K without a workspace needs every tile's cluster to fit.
 int gemm_cluster_fit(int splits);
 
 }  // namespace dsv4
