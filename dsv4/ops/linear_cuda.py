@@ -298,6 +298,11 @@ def gemm(x2: torch.Tensor, w: PreparedLinear, out: torch.Tensor, splits: int | N
     sms = _sms(_index(x2))
     s = splits or gemm_splits(M, w.n, w.k, sms)
     tiles = -(-M // 128) * -(-w.n // 128)
+    if stream_role(x2.device) == "side":
+        # the workspace path's units wait for each other and assume the whole grid resident: beside a workspace
+        # launch on the main stream, each could hold SMs the other waits for. On the side stream: clusters or S = 1
+        while s > 1 and tiles > cluster_fit(_index(x2), s):
+            s //= 2
     part = cnt = None
     if s > 1 and tiles > cluster_fit(_index(x2), s):  # else the partials meet in the clusters' shared memory
         if tiles > MAX_SPLIT_TILES:

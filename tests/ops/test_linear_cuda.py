@@ -354,15 +354,35 @@ def test_gemm_split_k_workspace_only_where_the_clusters_do_not_fit():
     xs = torch.empty(64, 8, dtype=torch.float32, device="cuda")
     mod.act_quant(x, xq, xs, False)
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    for tiles, ok in ((fit, True), (fit + 1, False)):
-        w = _weight("fp8", tiles * 128, 1024, seed=82 + tiles)
-        out = torch.empty(64, tiles * 128, dtype=torch.bfloat16, device="cuda")
-        if ok:
-            mod.gemm_fp8(xq, xs, w.weight, w.scale, out, s, sms, None, None, False)
-            assert_bitwise_equal(out, _gemm(x, w, s), "cluster path without a workspace")
-        else:
-            with pytest.raises(RuntimeError, match="needs a contiguous fp32 workspace"):
-                mod.gemm_fp8(xq, xs, w.weight, w.scale, out, s, sms, None, None, False)
+    wide = _weight("fp8", (fit + 1) * 128, 1024, seed=83)  # one tile too many for clusters: the workspace
+    ref = _gemm(x, wide, s)
+    narrow = PreparedLinear("fp8", fit * 128, 1024, wide.weight[: fit * 128].contiguous(), wide.scale[:fit].contiguous())
+    out = torch.empty(64, fit * 128, dtype=torch.bfloat16, device="cuda")
+    mod.gemm_fp8(xq, xs, narrow.weight, narrow.scale, out, s, sms, None, None, False)
+    assert_bitwise_equal(out, ref[:, : fit * 128], "cluster path without a workspace vs the workspace path")
+    with pytest.raises(RuntimeError, match="needs a contiguous fp32 workspace"):
+        mod.gemm_fp8(xq, xs, wide.weight, wide.scale, ref, s, sms, None, None, False)
+
+
+def test_gemm_on_the_side_stream_never_takes_the_workspace_path():
+    # beside a workspace launch on the main stream, the spin-waiting workspace units could deadlock: on the side
+    # stream gemm() runs clusters or one split. wo_b at 128 rows (32 tiles of 4: no cluster fit on an H200) gives the
+    # bits of the largest split whose clusters fit
+    from dsv4 import ops
+
+    mod = cuda_kernels.load()
+    dev = torch.cuda.current_device()
+    w = _weight("fp8", 4096, 8192, seed=90)
+    x = _x(128, 8192, torch.bfloat16, seed=91)
+    s = 4
+    while s > 1 and 32 > mod.gemm_cluster_fit(s):
+        s //= 2
+    want = _gemm(x, w, s)
+    torch.cuda.synchronize()  # x and w made on the main stream
+    with torch.cuda.stream(ops.side_stream(torch.device("cuda", dev))):
+        got = _gemm(x, w, 4)
+    torch.cuda.synchronize()
+    assert_bitwise_equal(got, want, f"side stream: splits 4 -> {s}")
 
 
 def test_gemm_choice_fewer_splits_when_more_rows_overflow_the_gpu():

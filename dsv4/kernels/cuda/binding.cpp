@@ -195,7 +195,8 @@ void act_quant(const at::Tensor& x, at::Tensor& q, at::Tensor& s, bool pdl) {
 }
 
 // out [M, N] bf16 = (xq [M, K] e4m3 * xs [M, K / 128]) @ (w [N, K] e4m3 * ws [ceil(N / 128), K / 128])^T
-// splits > 1: part [>= tiles * splits * 128 * 128] fp32 workspace, counters [>= 2 tiles] int32, zero (left zero)
+// splits > 1 where the tiles' clusters do not fit the GPU at once (gemm_cluster_fit): part [>= tiles * splits * 128 *
+// 128] fp32 workspace, counters [>= 2 tiles] int32, zero (left zero); elsewhere both may be None
 void gemm_fp8(const at::Tensor& xq, const at::Tensor& xs, const at::Tensor& w, const at::Tensor& ws, at::Tensor& out,
               int64_t splits, int64_t ctas, const c10::optional<at::Tensor>& part,
               const c10::optional<at::Tensor>& counters, bool pdl) {
@@ -228,7 +229,7 @@ void gemm_fp8(const at::Tensor& xq, const at::Tensor& xs, const at::Tensor& w, c
     DSV4_CHECK(part.has_value() && part->is_cuda() && part->scalar_type() == at::kFloat && part->is_contiguous() &&
                     part->numel() >= tiles * splits * 128 * 128,
                 "gemm_fp8: split-K over %lld tiles needs a contiguous fp32 workspace of tiles * splits * 128 * 128 "
-                "(its clusters do not fit the GPU at once)", static_cast<long long>(tiles));
+                "(its clusters do not fit the GPU at once, or their occupancy query failed)", static_cast<long long>(tiles));
     TORCH_CHECK(counters.has_value() && counters->is_cuda() && counters->scalar_type() == at::kInt &&
                     counters->is_contiguous() && counters->numel() >= 2 * tiles,
                 "gemm_fp8: split-K needs int32 counters, two per output tile");

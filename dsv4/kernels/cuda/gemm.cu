@@ -206,7 +206,7 @@ struct Unit {
     m0 = (tile % tiles_m) * kTile;
     n0 = (tile / tiles_m) * kTile;
     const int per = (kb_n + a.S - 1) / a.S;
-    kb0 = split * per;
+    kb0 = min(split * per, kb_n);  // an empty split (K / 128 not a multiple of S): kb0 == kb1 == kb_n
     kb1 = min(kb_n, kb0 + per);
   }
 };
@@ -308,7 +308,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const float* wsr = a.ws + static_cast<long long>(w.n0 / kTile) * kb_n;
 #pragma unroll
       for (int i = 0; i < 64; ++i) tot[i] = 0.0f;
-      const int k0 = min(w.kb0, kb_n - 1);  // an empty split (kb0 == kb1, K / 128 not a multiple of S) reads nothing past K
+      const int k0 = min(w.kb0, kb_n - 1);  // an empty split (kb0 == kb1 == kb_n) reads no scale past K
       float sa0 = __ldg(xs0 + k0), sa1 = __ldg(xs1 + k0), sb = __ldg(wsr + k0);
       for (int kb = w.kb0; kb < w.kb1; ++kb, ++it) {
         const int s = it % kStages;

@@ -29,8 +29,8 @@ struct GemmFp8Args {
   int M, N, K;
   int S;                 // splits of K per output tile, 1..8
   int ctas;              // CTAs of the persistent grid (at most one per work unit)
-  float* part;           // S > 1: [tiles * S, 128, 128] fp32 partials (workspace)
-  int* counters;         // S > 1: two int32 per output tile (arrived, done), zero before and after a launch
+  float* part;           // S > 1 without clusters: [tiles * S, 128, 128] fp32 partials (workspace), else may be null
+  int* counters;         // likewise: two int32 per output tile (arrived, done), zero before and after a launch
   int cluster;           // set by the launcher: S > 1 through a thread-block cluster (part and counters unused)
 };
 
