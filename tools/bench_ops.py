@@ -147,6 +147,56 @@ def build_cases(dev):
         return (z, ph), _nbytes(head, z) + M * 129280 * 4
     cases["head"] = ("head", make_head)
     cases.update(moe_cases(dev, randn))
+    cases.update(attn_cases(dev, randn))
+    return cases
+
+
+ATTN = [("attn.swa", "swa", 1024), ("attn.hca.1k", "hca", 1024), ("attn.csa.1k", "csa", 1024),
+        ("attn.hca.128k", "hca", 131072), ("attn.csa.128k", "csa", 131072)]
+
+
+def attn_cases(dev, randn):
+    """Decode attention of one layer at Flash shapes (64 heads, 512 dims, a full 128-slot window): SWA; HCA (every
+    visible entry, ascending); CSA (512 distinct entries in random order, the indexer's top-k; -1 past the visible
+    count). M is the number of queries. Bytes: q, the distinct rows the lists name, o. The CSA entries buffer holds at most
+    8192 entries (its rows are read only where the list names them): the copies that defeat the L2 cache stay small."""
+    import torch
+
+    H, D, W = 64, 512, 128
+    g = torch.Generator(device="cpu").manual_seed(2)
+
+    def make(M, kind, context):
+        q = randn(1, M, H, D, dtype=torch.bfloat16)
+        kvw = randn(1, W, D, dtype=torch.bfloat16)
+        iw = torch.roll(torch.arange(W, dtype=torch.int32), -(context % W)).to(dev).expand(1, M, W)
+        kvc = ic = None
+        rows = W
+        if kind == "hca":
+            n = context // 128
+            kvc = randn(1, n, D, dtype=torch.bfloat16)
+            ic = torch.arange(n, dtype=torch.int32, device=dev).expand(1, M, n)
+            rows += n
+        elif kind == "csa":
+            n, k = context // 4, 512
+            nc = min(n, 8192)
+            kvc = randn(1, nc, D, dtype=torch.bfloat16)
+            pick = torch.stack([torch.randperm(nc, generator=g)[:min(k, n)] for _ in range(M)]).to(torch.int32)
+            ic = torch.full((1, M, k), -1, dtype=torch.int32)
+            ic[0, :, :pick.shape[1]] = pick
+            ic = ic.to(dev)
+            rows += len(set(pick.flatten().tolist()))
+        sink = randn(H)
+        return (q, kvw, iw, kvc, ic, sink, D ** -0.5), 2 * _nbytes(q) + rows * D * 2
+    cases = {}
+    try:  # the Triton kernels beside the dispatching fast op (CUDA for decode), same run
+        from dsv4.ops import sparse_attn_triton
+    except ImportError:
+        sparse_attn_triton = None
+    for name, kind, context in ATTN:
+        cases[name] = ("sparse_attn", lambda M, kind=kind, context=context: make(M, kind, context))
+        if sparse_attn_triton is not None:
+            cases[name + ".triton"] = ("sparse_attn", lambda M, kind=kind, context=context: make(M, kind, context),
+                                       sparse_attn_triton.sparse_attn)
     return cases
 
 
@@ -397,7 +447,8 @@ def main(argv=None) -> int:
         names = ([c[0] for c in LINEARS] + [c[0] + ".triton" for c in LINEARS if c[1] in ("fp8", "dense")]
                  + ["wo_a", "wo_a.bf16", "mhc_pre_norm", "mhc_post_pre_norm", "mhc_pre_norm.triton",
                     "mhc_post_pre_norm.triton", "head", "moe_experts",
-                    "moe_experts.triton", "router"])
+                    "moe_experts.triton", "router"]
+                 + [n + t for n, _, _ in ATTN for t in ("", ".triton")])
         print("\n".join(names))
         return 0
     if not torch.cuda.is_available():

@@ -56,10 +56,27 @@ def sparse_attn_ref(q: torch.Tensor, kv_win: torch.Tensor, idx_win: torch.Tensor
     return (acc / z[..., None]).to(q.dtype)
 
 
+def make_fast(triton_fast):
+    """The fast `sparse_attn`: the CUDA decode kernel (dsv4/ops/sparse_attn_cuda.py, one launch) for the calls it
+    takes (1-8 bf16 queries, D = 512, lists up to 1536 slots), the Triton kernels for everything else."""
+    if triton_fast is None:
+        return None
+    from dsv4.ops import sparse_attn_cuda
+
+    def sparse_attn_fast(q, kv_win, idx_win, kv_comp, idx_comp, sink, scale):
+        if sparse_attn_cuda.applies(q, kv_win, idx_win, kv_comp, idx_comp, sink):
+            return sparse_attn_cuda.sparse_attn(q, kv_win, idx_win, kv_comp, idx_comp, sink, scale)
+        return triton_fast(q, kv_win, idx_win, kv_comp, idx_comp, sink, scale)
+
+    sparse_attn_fast.__doc__ = triton_fast.__doc__
+    return sparse_attn_fast
+
+
 def register_ops(register) -> None:
     try:  # the Triton fast path; without Triton the reference runs and ops.configure lists it so
-        from dsv4.ops.sparse_attn_triton import sparse_attn as fast
+        from dsv4.ops.sparse_attn_triton import sparse_attn as triton_fast
     except ImportError:
-        fast = None
-    register("sparse_attn", sparse_attn_ref, fast, interpretable=True,
-             doc="MQA over window + compressed index lists, 64-slot online softmax with sink")
+        triton_fast = None
+    register("sparse_attn", sparse_attn_ref, make_fast(triton_fast), interpretable=True,
+             doc="MQA over window + compressed index lists, 64-slot online softmax with sink",
+             cuda="decode, 1-8 queries, D = 512, lists <= 1536 slots: one launch")

@@ -7,6 +7,7 @@
 
 #include <cstdio>
 
+#include "attn.h"
 #include "gemm.h"
 #include "gemv.h"
 #include "mhc.h"
@@ -358,6 +359,73 @@ void mhc_boundary(const c10::optional<at::Tensor>& f, const at::Tensor& x, const
   DSV4_CHECK(e == cudaSuccess, "mhc_boundary launch failed: %s", cudaGetErrorString(e));
 }
 
+// sparse MQA attention with a sink, decode (attn.cu): o [B, S, H, 512] from q, the window rows + list and the
+// compressed rows + list (both or neither)
+void sparse_attn_decode(const at::Tensor& q, const at::Tensor& kv_win, const at::Tensor& idx_win,
+                        const c10::optional<at::Tensor>& kv_comp, const c10::optional<at::Tensor>& idx_comp,
+                        const at::Tensor& sink, at::Tensor& o, double scale, bool pdl) {
+  const int64_t D = dsv4::kAttnD, HG = dsv4::kAttnHeads;
+  TORCH_CHECK(q.is_cuda() && q.scalar_type() == at::kBFloat16 && q.dim() == 4, "sparse_attn_decode: q must be CUDA bf16 [B, S, H, D]");
+  const int64_t B = q.size(0), S = q.size(1), H = q.size(2);
+  DSV4_CHECK(q.size(3) == D && H % HG == 0 && H >= HG && q.stride(3) == 1,
+             "sparse_attn_decode: q must be [B, S, H, %lld] with H a multiple of %lld and unit column stride (got H = %lld, D = %lld)",
+             LL(D), LL(HG), LL(H), LL(q.size(3)));
+  DSV4_CHECK(B * S >= 1 && B * S <= 65535, "sparse_attn_decode: 1 to 65535 queries (got %lld)", LL(B * S));
+  TORCH_CHECK(kv_comp.has_value() == idx_comp.has_value(), "sparse_attn_decode: kv_comp and idx_comp come together");
+  auto rows_ok = [&](const at::Tensor& t) {
+    return t.is_cuda() && t.device() == q.device() && t.scalar_type() == at::kBFloat16 && t.dim() == 3 && t.size(0) == B &&
+           t.size(2) == D && t.stride(2) == 1 && t.stride(1) % 8 == 0 && t.stride(0) % 8 == 0 &&
+           reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  };
+  auto list_ok = [&](const at::Tensor& t) {
+    return t.is_cuda() && t.device() == q.device() && t.scalar_type() == at::kInt && t.dim() == 3 && t.size(0) == B &&
+           t.size(1) == S;
+  };
+  TORCH_CHECK(rows_ok(kv_win), "sparse_attn_decode: kv_win must be bf16 [B, N, 512] with 16-byte aligned rows");
+  TORCH_CHECK(list_ok(idx_win), "sparse_attn_decode: idx_win must be int32 [B, S, Lw]");
+  const int64_t Lw = idx_win.size(2);
+  int64_t Lc = 0;
+  if (kv_comp.has_value()) {
+    TORCH_CHECK(rows_ok(*kv_comp), "sparse_attn_decode: kv_comp must be bf16 [B, N, 512] with 16-byte aligned rows");
+    TORCH_CHECK(list_ok(*idx_comp), "sparse_attn_decode: idx_comp must be int32 [B, S, Lc]");
+    Lc = idx_comp->size(2);
+  }
+  DSV4_CHECK(Lw + Lc >= 1 && Lw + Lc <= dsv4::kAttnMaxSlots, "sparse_attn_decode: lists of 1 to %d slots (got %lld)",
+             dsv4::kAttnMaxSlots, LL(Lw + Lc));
+  TORCH_CHECK(sink.is_cuda() && sink.device() == q.device() && sink.scalar_type() == at::kFloat && sink.is_contiguous() &&
+              sink.numel() == H, "sparse_attn_decode: sink must be fp32 [H]");
+  TORCH_CHECK(o.is_cuda() && o.device() == q.device() && o.scalar_type() == at::kBFloat16 && o.dim() == 4 && o.size(0) == B &&
+              o.size(1) == S && o.size(2) == H && o.size(3) == D && o.stride(3) == 1 && o.stride(2) % 4 == 0 &&
+              reinterpret_cast<uintptr_t>(o.data_ptr()) % 8 == 0,
+              "sparse_attn_decode: o must be bf16 [B, S, H, 512], 8-byte aligned rows");
+  TORCH_CHECK(q.stride(2) % 8 == 0 && reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0 && q.stride(0) % 8 == 0 &&
+              q.stride(1) % 8 == 0, "sparse_attn_decode: q rows must be 16-byte aligned");
+  dsv4::AttnArgs a{};
+  a.q = reinterpret_cast<const __nv_bfloat16*>(q.data_ptr());
+  a.kw = reinterpret_cast<const __nv_bfloat16*>(kv_win.data_ptr());
+  a.kc = kv_comp.has_value() ? reinterpret_cast<const __nv_bfloat16*>(kv_comp->data_ptr()) : a.kw;
+  a.iw = idx_win.data_ptr<int>();
+  a.ic = idx_comp.has_value() ? idx_comp->data_ptr<int>() : a.iw;
+  a.sink = sink.data_ptr<float>();
+  a.o = reinterpret_cast<__nv_bfloat16*>(o.data_ptr());
+  a.sq_b = q.stride(0), a.sq_s = q.stride(1), a.sq_h = q.stride(2);
+  a.skw_b = kv_win.stride(0), a.skw_n = kv_win.stride(1);
+  const at::Tensor& kc = kv_comp.has_value() ? *kv_comp : kv_win;
+  const at::Tensor& ic = idx_comp.has_value() ? *idx_comp : idx_win;
+  a.skc_b = kc.stride(0), a.skc_n = kc.stride(1);
+  a.siw_b = idx_win.stride(0), a.siw_s = idx_win.stride(1), a.siw_l = idx_win.stride(2);
+  a.sic_b = ic.stride(0), a.sic_s = ic.stride(1), a.sic_l = ic.stride(2);
+  a.so_b = o.stride(0), a.so_s = o.stride(1), a.so_h = o.stride(2);
+  a.S = static_cast<int>(S);
+  a.Lw = static_cast<int>(Lw);
+  a.Lc = static_cast<int>(Lc);
+  a.scale = static_cast<float>(scale);
+  const c10::cuda::CUDAGuard guard(q.device());
+  const cudaError_t e = dsv4::sparse_attn_decode_launch(a, static_cast<int>(B * S), static_cast<int>(H / HG), pdl,
+                                                        c10::cuda::getCurrentCUDAStream().stream());
+  DSV4_CHECK(e == cudaSuccess, "sparse_attn_decode launch failed: %s", cudaGetErrorString(e));
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stream_read", &stream_read, "bandwidth probe: one plain read of a buffer (probe.cu, benchmarks)");
   m.def("gemv", &gemv, "skinny GEMV (1-8 tokens) on fp8 block-scaled or bf16 weights (gemv.cu)");
@@ -366,5 +434,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_cluster_fit", &gemm_cluster_fit, "clusters of `splits` prefill-GEMM CTAs the device holds at once");
   m.def("gemm_fp8", &gemm_fp8, "prefill GEMM on fp8 block-scaled weights, TMA + wgmma (gemm.cu)");
   m.def("mhc_boundary", &mhc_boundary, "one mHC boundary (post, pre, RMSNorm) of 1-8 tokens (mhc.cu)");
+  m.def("sparse_attn_decode", &sparse_attn_decode, "sparse MQA attention with a sink, 1-8 queries (attn.cu)");
   m.def("moe_decode", &moe_decode, "decode MoE experts of one token: MXFP4 routed + FP8 shared (moe.cu)");
 }

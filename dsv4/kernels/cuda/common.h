@@ -113,22 +113,41 @@ __device__ __forceinline__ uint32_t e4m3x2_code(float a, float b, float inv) {
 
 }  // namespace dev
 
-// kernel<<<grid, block, smem, stream>>>(args...), as a programmatic dependent launch when pdl: its CTAs may start
-// while the previous kernel runs, and wait for it at griddepcontrol.wait
+// kernel<<<grid, block, smem, stream>>>(args...) through cudaLaunchKernelEx: as a programmatic dependent launch when
+// pdl (its CTAs may start while the previous kernel runs, and wait for it at griddepcontrol.wait), and in thread-block
+// clusters of cluster_x CTAs along x when cluster_x > 1
 template <typename... Params, typename... Args>
-inline cudaError_t launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, int smem, bool pdl,
-                              cudaStream_t stream, const Args&... args) {
+inline cudaError_t launch_ex(void (*kernel)(Params...), dim3 grid, dim3 block, int smem, bool pdl, int cluster_x,
+                             cudaStream_t stream, const Args&... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attr[2];
+  int n = 0;
+  if (pdl) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
+  if (cluster_x > 1) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n].val.clusterDim.x = static_cast<unsigned>(cluster_x);
+    attr[n].val.clusterDim.y = 1;
+    attr[n].val.clusterDim.z = 1;
+    ++n;
+  }
   cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
+  cfg.numAttrs = n;
   return cudaLaunchKernelEx(&cfg, kernel, args...);
+}
+
+// launch_ex without clusters
+template <typename... Params, typename... Args>
+inline cudaError_t launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, int smem, bool pdl,
+                              cudaStream_t stream, const Args&... args) {
+  return launch_ex(kernel, grid, block, smem, pdl, 1, stream, args...);
 }
 
 }  // namespace dsv4

@@ -474,31 +474,12 @@ bool encode_map(CUtensorMap* map, const void* base, int rows, int cols) {
             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// a one-dimensional launch on `stream`, with programmatic dependent launch when pdl (attr holds the attribute)
-cudaLaunchConfig_t launch_config(int grid, int block, int smem, bool pdl, cudaStream_t stream,
-                                 cudaLaunchAttribute& attr) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(grid), 1, 1);
-  cfg.blockDim = dim3(static_cast<unsigned>(block), 1, 1);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  if (pdl) {
-    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr.val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = &attr;
-    cfg.numAttrs = 1;
-  }
-  return cfg;
-}
-
 }  // namespace
 
 cudaError_t act_quant_launch(const ActQuantArgs& a, bool pdl, cudaStream_t stream) {
   const long long warps = static_cast<long long>(a.M) * (a.K / kTile);
   if (warps == 0) return cudaSuccess;
-  cudaLaunchAttribute attr;
-  const cudaLaunchConfig_t cfg = launch_config(static_cast<int>((warps + 7) / 8), 256, 0, pdl, stream, attr);
-  return cudaLaunchKernelEx(&cfg, act_quant_kernel, a);
+  return launch_pdl(act_quant_kernel, dim3(static_cast<unsigned>((warps + 7) / 8)), dim3(256), 0, pdl, stream, a);
 }
 
 // clusters of S gemm_fp8_kernel CTAs that fit the current device at once (S = 2, 4, 8; else 0), cached per device;
@@ -552,18 +533,8 @@ cudaError_t gemm_fp8_launch(GemmFp8Args a, bool pdl, cudaStream_t stream) {
   // wait for each other: the grid is at most one CTA per SM, all resident)
   a.cluster = a.S > 1 && tiles <= cluster_fit(a.S);
   if (a.S > 1 && !a.cluster && (a.part == nullptr || a.counters == nullptr)) return cudaErrorInvalidValue;
-  cudaLaunchAttribute attrs[2];
-  cudaLaunchConfig_t cfg = launch_config(a.cluster ? units : min(units, a.ctas), kThreads, kSmemBytes, pdl, stream,
-                                         attrs[0]);
-  if (a.cluster) {
-    attrs[cfg.numAttrs].id = cudaLaunchAttributeClusterDimension;
-    attrs[cfg.numAttrs].val.clusterDim.x = a.S;
-    attrs[cfg.numAttrs].val.clusterDim.y = 1;
-    attrs[cfg.numAttrs].val.clusterDim.z = 1;
-    cfg.attrs = attrs;
-    ++cfg.numAttrs;
-  }
-  return cudaLaunchKernelEx(&cfg, gemm_fp8_kernel, map_a, map_b, a);
+  return launch_ex(gemm_fp8_kernel, dim3(static_cast<unsigned>(a.cluster ? units : min(units, a.ctas))), dim3(kThreads),
+                   kSmemBytes, pdl, a.cluster ? a.S : 1, stream, map_a, map_b, a);
 }
 
 }  // namespace dsv4

@@ -327,28 +327,8 @@ cudaError_t launch(const GemvArgs& a, int smem, bool pdl, cudaStream_t stream) {
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return e;
   }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(a.S, (a.N + 16 * a.WR - 1) / (16 * a.WR), 1);
-  cfg.blockDim = dim3(kThreads, 1, 1);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attrs[2];
-  int n = 0;
-  if (a.S > 1) {
-    attrs[n].id = cudaLaunchAttributeClusterDimension;
-    attrs[n].val.clusterDim.x = a.S;
-    attrs[n].val.clusterDim.y = 1;
-    attrs[n].val.clusterDim.z = 1;
-    ++n;
-  }
-  if (pdl) {
-    attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attrs[n].val.programmaticStreamSerializationAllowed = 1;
-    ++n;
-  }
-  cfg.attrs = attrs;
-  cfg.numAttrs = n;
-  return cudaLaunchKernelEx(&cfg, kernel, a);
+  return launch_ex(kernel, dim3(a.S, (a.N + 16 * a.WR - 1) / (16 * a.WR), 1), dim3(kThreads, 1, 1), smem, pdl, a.S,
+                   stream, a);
 }
 
 template <int FMT, bool XSPLIT>

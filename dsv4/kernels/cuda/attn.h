@@ -1,0 +1,32 @@
+// Sparse MQA attention with a sink for decode (1-8 queries), one launch: see attn.cu.
+#pragma once
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+
+namespace dsv4 {
+
+struct AttnArgs {
+  const __nv_bfloat16* q;   // [B, S, H, 512]
+  const __nv_bfloat16* kw;  // [B, Nw, 512] window K = V rows
+  const __nv_bfloat16* kc;  // [B, Nc, 512] compressed K = V rows (kw when the list has no compressed part)
+  const int* iw;            // [B, S, Lw] window slots (-1: none)
+  const int* ic;            // [B, S, Lc] compressed slots (-1: none)
+  const float* sink;        // [H]
+  __nv_bfloat16* o;         // [B, S, H, 512]
+  long long sq_b, sq_s, sq_h, skw_b, skw_n, skc_b, skc_n;  // element strides
+  long long siw_b, siw_s, siw_l, sic_b, sic_s, sic_l, so_b, so_s, so_h;
+  int S, Lw, Lc;
+  float scale;
+};
+
+constexpr int kAttnD = 512;         // K = V width
+constexpr int kAttnHeads = 16;      // query heads per CTA
+constexpr int kAttnBlock = 64;      // slots per online-softmax step
+constexpr int kAttnMaxCluster = 8;  // CTAs per (query, head group): the list's blocks are spread over them
+constexpr int kAttnMaxBlocksPerCta = 3;  // a CTA keeps the K = V rows of its blocks in shared memory
+constexpr int kAttnMaxSlots = kAttnBlock * kAttnMaxCluster * kAttnMaxBlocksPerCta;  // 1536
+
+// B * S queries (grid z), H / 16 head groups; 1 <= Lw + Lc <= kAttnMaxSlots, Lw >= 1 (checked by the binding)
+cudaError_t sparse_attn_decode_launch(const AttnArgs& a, int queries, int head_groups, bool pdl, cudaStream_t stream);
+
+}  // namespace dsv4

@@ -1,0 +1,72 @@
+"""CUDA fast path of `sparse_attn` for decode (dsv4/kernels/cuda/attn.cu): one launch per call.
+
+Decode queries (1-8 per call: a step, or MTP verification) with bf16 q / K = V rows of 512 dims, H a multiple of 16
+and int32 index lists of at most 1536 slots in all: a thread-block cluster per (query, 16 heads) spreads the list's
+64-slot blocks over up to 8 CTAs, each keeping its blocks' rows in shared memory; the running maximum of the
+sequential walk is exchanged across the cluster before the walk, so every p and bf16(p) is the reference's, and the
+CTAs' partials are combined in rank order. Same input, same bits; no host sync, graph-safe. `applies(...)` says
+whether a call takes this path (else the Triton kernels run: prefill chunks, longer lists, other shapes or dtypes,
+no CUDA build).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4.kernels import cuda as cuda_kernels
+from dsv4.ops.linear_cuda import PDL, _capability, _index
+
+D = 512  # K = V width (the kernel's tiles)
+HEADS = 16  # query heads per CTA
+MAX_QUERIES = 8  # decode: more queries are prefill chunks, which the Triton kernel (one program per query) serves
+MAX_SLOTS = 1536  # 64-slot blocks x 8 CTAs x 3 blocks kept in shared memory per CTA
+
+
+def _rows_ok(t: torch.Tensor, q: torch.Tensor) -> bool:
+    return (t.dtype == torch.bfloat16 and t.device == q.device and t.dim() == 3 and t.shape[0] == q.shape[0]
+            and t.shape[2] == D and t.stride(2) == 1 and t.stride(1) % 8 == 0 and t.stride(0) % 8 == 0
+            and t.data_ptr() % 16 == 0)
+
+
+def _list_ok(t: torch.Tensor, q: torch.Tensor) -> bool:
+    return t.dtype == torch.int32 and t.device == q.device and t.dim() == 3 and tuple(t.shape[:2]) == tuple(q.shape[:2])
+
+
+def applies(q: torch.Tensor, kv_win: torch.Tensor, idx_win: torch.Tensor, kv_comp: torch.Tensor | None,
+            idx_comp: torch.Tensor | None, sink: torch.Tensor) -> bool:
+    """True when the CUDA kernel runs this call: CUDA sm_90+, bf16 q [B, S, H, 512] with 1 <= B * S <= 8 and H a
+    multiple of 16, bf16 rows with 16-byte aligned rows, int32 lists of 1..1536 slots in all, an fp32 sink, the
+    module built."""
+    if not (q.is_cuda and q.dtype == torch.bfloat16 and q.dim() == 4 and q.shape[3] == D and q.stride(3) == 1):
+        return False
+    B, S, H, _ = q.shape
+    if not (1 <= B * S <= MAX_QUERIES and H % HEADS == 0 and H >= HEADS):
+        return False
+    if not (q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0 and q.stride(2) % 8 == 0 and q.data_ptr() % 16 == 0):
+        return False
+    if (kv_comp is None) != (idx_comp is None):
+        return False
+    if not (_rows_ok(kv_win, q) and _list_ok(idx_win, q)):
+        return False
+    L = idx_win.shape[2]
+    if kv_comp is not None:
+        if not (_rows_ok(kv_comp, q) and _list_ok(idx_comp, q)):
+            return False
+        L += idx_comp.shape[2]
+    if not 1 <= L <= MAX_SLOTS:
+        return False
+    if not (sink.dtype == torch.float32 and sink.device == q.device and sink.is_contiguous() and sink.numel() == H):
+        return False
+    if _capability(_index(q))[0] < 9:
+        return False
+    return cuda_kernels.load() is not None
+
+
+def sparse_attn(q: torch.Tensor, kv_win: torch.Tensor, idx_win: torch.Tensor, kv_comp: torch.Tensor | None,
+                idx_comp: torch.Tensor | None, sink: torch.Tensor, scale: float) -> torch.Tensor:
+    """sparse_attn_ref's contract for the calls `applies` takes: o [B, S, H, 512] bf16."""
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if idx_comp is not None and idx_comp.shape[2] == 0:
+        kv_comp = idx_comp = None
+    cuda_kernels.load().sparse_attn_decode(q, kv_win, idx_win, kv_comp, idx_comp, sink, o, float(scale), PDL)
+    return o

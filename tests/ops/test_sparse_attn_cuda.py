@@ -1,0 +1,141 @@
+"""dsv4.ops.sparse_attn_cuda (decode attention in one launch, dsv4/kernels/cuda/attn.cu) against sparse_attn_ref.
+
+GPU only. Fresh random inputs: Flash decode shapes (64 heads, 512 dims, a 128-slot window) at 1K, 16K and 128K
+context for SWA, HCA (every visible entry, ascending, -1 past the visible count) and CSA (the indexer's top-512 in any
+order, a -1 tail while fewer are visible), 1, 2 and 4 queries; odd lists (lengths off the 64-slot grid, holes, a
+block straddling the window and compressed parts, a query whose list is all -1, non-contiguous entry rows, 128
+heads, two sequences); each cluster shape (1-8 CTAs, 1-3 blocks per CTA) up to the 1536-slot limit. The kernel walks
+the reference's 64-slot blocks with the walk's own running maximum, so it must agree within `op_attention` and
+differ from the reference in few output elements (fp32 summation order only). Also: bitwise determinism, CUDA-graph
+replay == eager (and follows new lists), the registered fast op routing decode calls here, and the binding's
+refusals.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4.kernels import cuda as cuda_kernels
+from dsv4.ops.sparse_attn import sparse_attn_ref
+from dsv4.testing import assert_bitwise_equal, assert_close_rel, graph_replay, tol
+from test_sparse_attn import flash_case, make_case, whole_list
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("built_sm90")]
+
+def _mod():
+    from dsv4.ops import sparse_attn_cuda
+    return sparse_attn_cuda
+
+
+def check(args):
+    from dsv4.ops import sparse_attn_triton
+
+    sc = _mod()
+    assert sc.applies(*args[:6])
+    o = sc.sparse_attn(*args)  # the kernel runs before the reference is allocated
+    ref = sparse_attn_ref(*args)
+    assert_close_rel(o, ref, "op_attention")
+    whole = sparse_attn_triton.sparse_attn(*args, cfg=whole_list(sparse_attn_triton, args))
+    mine, theirs = (o != ref).float().mean().item(), (whole != ref).float().mean().item()
+    # the same walk as the reference in another fp32 summation order: few outputs round differently (testing.py)
+    assert mine <= max(tol("op_attention_flip_ratio") * theirs, tol("op_attention_flip_floor")), \
+        f"{mine:.2e} of the outputs round differently from the reference (the Triton walk: {theirs:.2e})"
+    return o, ref
+
+
+@pytest.mark.parametrize("S", [1, 2, 4])
+@pytest.mark.parametrize("kind", ["swa", "hca", "csa"])
+@pytest.mark.parametrize("context", [1024, 16384, 131072])
+def test_decode_flash(context, kind, S):
+    check(flash_case(context, kind, S, seed=context + S + len(kind)))
+
+
+def test_peaked_softmax_and_sink():
+    # keys aligned with the queries: one block holds most of the mass, the running maximum jumps between blocks
+    check(make_case(1, 1, 64, 512, 128, 1024, 1024, seed=5, peak=8.0, n_vis=900, csa=False, device="cuda"))
+
+
+@pytest.mark.parametrize("Lw,Lc,holes", [(100, 333, 0.3), (128, 1, 0.0), (37, 0, 0.5), (1, 0, 0.0),
+                                         (128, 1408, 0.1), (64, 640, 0.0)])
+def test_odd_lists_every_cluster_shape(Lw, Lc, holes):
+    # list lengths off the 64-slot grid, a block straddling the window and compressed parts; with the window these
+    # give 1-8 CTAs and 1-3 blocks per CTA, up to the 1536-slot limit
+    args = make_case(2, 3, 128, 512, Lw, max(Lc, 1), Lc, seed=Lw + Lc, win_holes=holes, csa=True, device="cuda",
+                     n_vis=None if Lc == 0 else max(Lc // 2, 1))
+    check(args)
+
+
+def test_all_empty_list_gives_zeros_and_strided_rows():
+    q, kvw, iw, kvc, ic, sink, scale = make_case(1, 2, 64, 512, 128, 700, 512, seed=9, device="cuda")
+    iw[:, 1] = -1
+    ic[:, 1] = -1
+    # the entries as the model passes them: a prefix of a larger buffer (row stride 512, batch stride bigger)
+    buf = torch.zeros(1, 1000, 512, dtype=kvc.dtype, device="cuda")
+    buf[:, :700] = kvc
+    args = (q, kvw, iw, buf[:, :700], ic, sink, scale)
+    o, _ = check(args)
+    assert o[:, 1].abs().sum().item() == 0, "a query without a valid slot must get zeros"
+    assert o[:, 0].abs().sum().item() > 0
+
+
+def test_limits_route_elsewhere():
+    sc = _mod()
+    ok = make_case(1, 1, 64, 512, 128, 1408, 1408, seed=1, device="cuda")
+    assert sc.applies(*ok[:6])  # 1536 slots
+    long = make_case(1, 1, 64, 512, 128, 1409, 1409, seed=1, device="cuda")
+    assert not sc.applies(*long[:6])  # 1537: Triton
+    chunk = make_case(1, 9, 64, 512, 128, 256, 256, seed=1, device="cuda")
+    assert not sc.applies(*chunk[:6])  # 9 queries: a prefill chunk
+    small = make_case(1, 1, 64, 256, 128, 256, 256, seed=1, device="cuda")
+    assert not sc.applies(*small[:6])  # D = 256 (the demo model)
+    q, kvw, iw, kvc, ic, sink, _ = ok
+    assert not sc.applies(q, kvw, iw.long(), kvc, ic, sink)  # int64 lists
+    assert not sc.applies(q.float(), kvw.float(), iw, kvc.float(), ic, sink)
+
+
+def test_deterministic_and_graph_replay_follows_new_lists():
+    sc = _mod()
+    args = flash_case(131072, "csa", 2, seed=4)
+    first = sc.sparse_attn(*args)
+    for _ in range(3):
+        assert_bitwise_equal(sc.sparse_attn(*args), first, "rerun")
+    want, out = graph_replay(lambda: sc.sparse_attn(*args))
+    assert_bitwise_equal(out, want, "graph replay")
+    q, kvw, iw, kvc, ic, sink, scale = args
+    ic.copy_(ic.flip(-1))  # new lists in the same buffers
+    from dsv4.testing import capture_graph
+
+    graph, out = capture_graph(lambda: sc.sparse_attn(*args))
+    ic.copy_(ic.flip(-1))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_bitwise_equal(out, first, "graph replay after new lists")
+
+
+def test_fast_op_routes_decode_here():
+    from dsv4 import ops
+    from dsv4.ops import sparse_attn_triton
+
+    sc = _mod()
+    dec = flash_case(16384, "hca", 1, seed=21)
+    assert_bitwise_equal(ops.OPS["sparse_attn"].fast(*dec), sc.sparse_attn(*dec), "decode")
+    pre = flash_case(16384, "hca", 16, seed=22)
+    assert_bitwise_equal(ops.OPS["sparse_attn"].fast(*pre), sparse_attn_triton.sparse_attn(*pre), "prefill chunk")
+
+
+def test_binding_refuses_bad_calls():
+    mod = cuda_kernels.load()
+    q, kvw, iw, kvc, ic, sink, scale = make_case(1, 1, 64, 512, 128, 256, 256, seed=2, device="cuda")
+    o = torch.empty_like(q)
+    with pytest.raises(RuntimeError, match=r"H a multiple of 16 .*\(got H = 8, D = 512\)"):
+        mod.sparse_attn_decode(q[:, :, :8], kvw, iw, kvc, ic, sink[:8], o[:, :, :8], scale, False)
+    with pytest.raises(RuntimeError, match="idx_win must be int32"):
+        mod.sparse_attn_decode(q, kvw, iw.long(), kvc, ic, sink, o, scale, False)
+    with pytest.raises(RuntimeError, match="come together"):
+        mod.sparse_attn_decode(q, kvw, iw, kvc, None, sink, o, scale, False)
+    big = torch.zeros(1, 1, 1409, dtype=torch.int32, device="cuda")
+    with pytest.raises(RuntimeError, match=r"lists of 1 to 1536 slots \(got 1537\)"):
+        mod.sparse_attn_decode(q, kvw, iw, kvc, big, sink, o, scale, False)
+    with pytest.raises(RuntimeError, match="kv_win must be bf16"):
+        mod.sparse_attn_decode(q, kvw[:, :, 1:], iw, kvc, ic, sink, o, scale, False)
