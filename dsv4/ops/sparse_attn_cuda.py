@@ -20,6 +20,24 @@ D = 512  # K = V width (the kernel's tiles)
 HEADS = 16  # query heads per CTA
 MAX_QUERIES = 8  # decode: more queries are prefill chunks, which the Triton kernel (one program per query) serves
 MAX_SLOTS = 1536  # 64-slot blocks x 8 CTAs x 3 blocks kept in shared memory per CTA
+BLOCK = 64
+
+
+def smem_bytes(slots: int) -> int:
+    """Dynamic shared memory of one CTA for a list of `slots` (attn.cu: q rows, the K = V rows of up to 3 blocks,
+    bf16(p), and at most 6 KB of small arrays: an upper bound of its Small<C, NBL>, 5,376 bytes at C = 8, 3 blocks)."""
+    nblk = -(-slots // BLOCK)
+    nbl = 1 if nblk <= 8 else -(-nblk // 8)
+    return 16 * 1024 + nbl * 64 * 1024 + 2 * 1024 + 6 * 1024
+
+
+_OPTIN: dict[int, int] = {}
+
+
+def _smem_optin(index: int) -> int:
+    if index not in _OPTIN:
+        _OPTIN[index] = torch.cuda.get_device_properties(index).shared_memory_per_block_optin
+    return _OPTIN[index]
 
 
 def _rows_ok(t: torch.Tensor, q: torch.Tensor) -> bool:
@@ -34,9 +52,9 @@ def _list_ok(t: torch.Tensor, q: torch.Tensor) -> bool:
 
 def applies(q: torch.Tensor, kv_win: torch.Tensor, idx_win: torch.Tensor, kv_comp: torch.Tensor | None,
             idx_comp: torch.Tensor | None, sink: torch.Tensor) -> bool:
-    """True when the CUDA kernel runs this call: CUDA sm_90+, bf16 q [B, S, H, 512] with 1 <= B * S <= 8 and H a
-    multiple of 16, bf16 rows with 16-byte aligned rows, int32 lists of 1..1536 slots in all, an fp32 sink, the
-    module built."""
+    """True when the CUDA kernel runs this call: CUDA sm_90+ with the shared memory the list needs per CTA (up to
+    ~220 KB), bf16 q [B, S, H, 512] with 1 <= B * S <= 8 and H a multiple of 16, bf16 rows with 16-byte aligned
+    rows, int32 lists of 1..1536 slots in all, an fp32 sink, the module built."""
     if not (q.is_cuda and q.dtype == torch.bfloat16 and q.dim() == 4 and q.shape[3] == D and q.stride(3) == 1):
         return False
     B, S, H, _ = q.shape
@@ -57,8 +75,8 @@ def applies(q: torch.Tensor, kv_win: torch.Tensor, idx_win: torch.Tensor, kv_com
         return False
     if not (sink.dtype == torch.float32 and sink.device == q.device and sink.is_contiguous() and sink.numel() == H):
         return False
-    if _capability(_index(q))[0] < 9:
-        return False
+    if _capability(_index(q))[0] < 9 or smem_bytes(L) > _smem_optin(_index(q)):
+        return False  # (a GPU with less shared memory per block than an H100 / H200: the Triton kernels)
     return cuda_kernels.load() is not None
 
 

@@ -3,8 +3,9 @@
 GPU only. Fresh random inputs: Flash decode shapes (64 heads, 512 dims, a 128-slot window) at 1K, 16K and 128K
 context for SWA, HCA (every visible entry, ascending, -1 past the visible count) and CSA (the indexer's top-512 in any
 order, a -1 tail while fewer are visible), 1, 2 and 4 queries; odd lists (lengths off the 64-slot grid, holes, a
-block straddling the window and compressed parts, a query whose list is all -1, non-contiguous entry rows, 128
-heads, two sequences); each cluster shape (1-8 CTAs, 1-3 blocks per CTA) up to the 1536-slot limit. The kernel walks
+block straddling the window and compressed parts, a query whose list is all -1, 128 heads, two sequences); the
+layouts the model passes (lists expanded over the batch, the entries a prefix of their buffer, a strided q); a
+running maximum that jumps in a late block after empty ones; each cluster shape (1-8 CTAs, 1-3 blocks per CTA) up to the 1536-slot limit. The kernel walks
 the reference's 64-slot blocks with the walk's own running maximum, so it must agree within `op_attention` and
 differ from the reference in few output elements (fp32 summation order only). Also: bitwise determinism, CUDA-graph
 replay == eager (and follows new lists), the registered fast op routing decode calls here, and the binding's
@@ -66,7 +67,7 @@ def test_odd_lists_every_cluster_shape(Lw, Lc, holes):
     check(args)
 
 
-def test_all_empty_list_gives_zeros_and_strided_rows():
+def test_all_empty_list_gives_zeros_and_entries_as_a_prefix():
     q, kvw, iw, kvc, ic, sink, scale = make_case(1, 2, 64, 512, 128, 700, 512, seed=9, device="cuda")
     iw[:, 1] = -1
     ic[:, 1] = -1
@@ -77,6 +78,35 @@ def test_all_empty_list_gives_zeros_and_strided_rows():
     o, _ = check(args)
     assert o[:, 1].abs().sum().item() == 0, "a query without a valid slot must get zeros"
     assert o[:, 0].abs().sum().item() > 0
+
+
+def test_model_layouts():
+    # as attention.py passes them: the window list and HCA's list expanded over the batch (stride 0), the entries a
+    # prefix of the state's buffer (a padded batch stride, B = 2), q a view with a 576-element head stride
+    g = torch.Generator(device="cuda").manual_seed(31)
+    B, H, D, W, n, cap = 2, 64, 512, 128, 700, 1025
+    q = torch.randn(B, 1, H, 576, generator=g, device="cuda").bfloat16()[..., :D]
+    kvw = torch.randn(B, W, D, generator=g, device="cuda").bfloat16()
+    win = torch.roll(torch.arange(W, dtype=torch.int32, device="cuda"), 5)
+    win[100:] = -1
+    ent = torch.randn(B, cap, D, generator=g, device="cuda").bfloat16()
+    ar = torch.arange(n, device="cuda")
+    ic = torch.where(ar < 650, ar, -1).to(torch.int32)[None, None].expand(B, 1, n)
+    sink = torch.randn(H, generator=g, device="cuda")
+    args = (q, kvw, win[None, None].expand(B, 1, W), ent[:, :n], ic, sink, D ** -0.5)
+    assert args[0].stride(2) == 576 and args[2].stride(0) == 0 and args[3].stride(0) == cap * D
+    check(args)
+
+
+def test_running_max_jumps_late_after_empty_blocks():
+    # an HCA list of 18 blocks over 8 CTAs (2-3 each) whose blocks 2-9 are empty, so ranks 2-7 meet an empty block
+    # before a valid one, and keys aligned with the queries in block 16 (rank 0's third): the running maximum jumps
+    # there, after every other CTA's blocks
+    q, kvw, iw, kvc, ic, sink, scale = make_case(1, 2, 64, 512, 128, 1024, 1024, seed=13, csa=False, device="cuda")
+    ic[:, :, :512] = -1
+    kvc[:, 900:904] += (3.0 * q[:, :1, :4].float().mean(1)).to(kvc.dtype)
+    o, ref = check((q, kvw, iw, kvc, ic, sink, scale))
+    assert (ref.float() - sparse_attn_ref(q, kvw, iw, None, None, sink, scale).float()).abs().max() > 0.1
 
 
 def test_limits_route_elsewhere():
@@ -139,3 +169,7 @@ def test_binding_refuses_bad_calls():
         mod.sparse_attn_decode(q, kvw, iw, kvc, big, sink, o, scale, False)
     with pytest.raises(RuntimeError, match="kv_win must be bf16"):
         mod.sparse_attn_decode(q, kvw[:, :, 1:], iw, kvc, ic, sink, o, scale, False)
+    with pytest.raises(RuntimeError, match=r"sink must be fp32 \[H\]"):
+        mod.sparse_attn_decode(q, kvw, iw, kvc, ic, sink.double(), o, scale, False)
+    with pytest.raises(RuntimeError, match="idx_comp must be int32"):
+        mod.sparse_attn_decode(q, kvw, iw, kvc, ic[:, :0], sink, o, scale, False)

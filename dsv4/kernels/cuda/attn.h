@@ -26,7 +26,7 @@ constexpr int kAttnMaxCluster = 8;  // CTAs per (query, head group): the list's 
 constexpr int kAttnMaxBlocksPerCta = 3;  // a CTA keeps the K = V rows of its blocks in shared memory
 constexpr int kAttnMaxSlots = kAttnBlock * kAttnMaxCluster * kAttnMaxBlocksPerCta;  // 1536
 
-// B * S queries (grid z), H / 16 head groups; 1 <= Lw + Lc <= kAttnMaxSlots, Lw >= 1 (checked by the binding)
+// B * S queries (grid z), H / 16 head groups; 1 <= Lw + Lc <= kAttnMaxSlots (checked by the binding)
 cudaError_t sparse_attn_decode_launch(const AttnArgs& a, int queries, int head_groups, bool pdl, cudaStream_t stream);
 
 }  // namespace dsv4

@@ -381,12 +381,12 @@ void sparse_attn_decode(const at::Tensor& q, const at::Tensor& kv_win, const at:
     return t.is_cuda() && t.device() == q.device() && t.scalar_type() == at::kInt && t.dim() == 3 && t.size(0) == B &&
            t.size(1) == S;
   };
-  TORCH_CHECK(rows_ok(kv_win), "sparse_attn_decode: kv_win must be bf16 [B, N, 512] with 16-byte aligned rows");
+  TORCH_CHECK(rows_ok(kv_win), "sparse_attn_decode: kv_win must be bf16 [B, N, 512] on q's device with 16-byte aligned rows");
   TORCH_CHECK(list_ok(idx_win), "sparse_attn_decode: idx_win must be int32 [B, S, Lw]");
   const int64_t Lw = idx_win.size(2);
   int64_t Lc = 0;
   if (kv_comp.has_value()) {
-    TORCH_CHECK(rows_ok(*kv_comp), "sparse_attn_decode: kv_comp must be bf16 [B, N, 512] with 16-byte aligned rows");
+    TORCH_CHECK(rows_ok(*kv_comp), "sparse_attn_decode: kv_comp must be bf16 [B, N, 512] on q's device with 16-byte aligned rows");
     TORCH_CHECK(list_ok(*idx_comp), "sparse_attn_decode: idx_comp must be int32 [B, S, Lc]");
     Lc = idx_comp->size(2);
   }
@@ -396,7 +396,7 @@ void sparse_attn_decode(const at::Tensor& q, const at::Tensor& kv_win, const at:
               sink.numel() == H, "sparse_attn_decode: sink must be fp32 [H]");
   TORCH_CHECK(o.is_cuda() && o.device() == q.device() && o.scalar_type() == at::kBFloat16 && o.dim() == 4 && o.size(0) == B &&
               o.size(1) == S && o.size(2) == H && o.size(3) == D && o.stride(3) == 1 && o.stride(2) % 4 == 0 &&
-              reinterpret_cast<uintptr_t>(o.data_ptr()) % 8 == 0,
+              o.stride(1) % 4 == 0 && o.stride(0) % 4 == 0 && reinterpret_cast<uintptr_t>(o.data_ptr()) % 8 == 0,
               "sparse_attn_decode: o must be bf16 [B, S, H, 512], 8-byte aligned rows");
   TORCH_CHECK(q.stride(2) % 8 == 0 && reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0 && q.stride(0) % 8 == 0 &&
               q.stride(1) % 8 == 0, "sparse_attn_decode: q rows must be 16-byte aligned");
