@@ -20,17 +20,6 @@ D = 512  # K = V width (the kernel's tiles)
 HEADS = 16  # query heads per CTA
 MAX_QUERIES = 8  # decode: more queries are prefill chunks, which the Triton kernel (one program per query) serves
 MAX_SLOTS = 1536  # 64-slot blocks x 8 CTAs x 3 blocks kept in shared memory per CTA
-BLOCK = 64
-
-
-def smem_bytes(slots: int) -> int:
-    """Dynamic shared memory of one CTA for a list of `slots` (attn.cu: q rows, the K = V rows of up to 3 blocks,
-    bf16(p), and at most 6 KB of small arrays: an upper bound of its Small<C, NBL>, 5,376 bytes at C = 8, 3 blocks)."""
-    nblk = -(-slots // BLOCK)
-    nbl = 1 if nblk <= 8 else -(-nblk // 8)
-    return 16 * 1024 + nbl * 64 * 1024 + 2 * 1024 + 6 * 1024
-
-
 _OPTIN: dict[int, int] = {}
 
 
@@ -75,9 +64,11 @@ def applies(q: torch.Tensor, kv_win: torch.Tensor, idx_win: torch.Tensor, kv_com
         return False
     if not (sink.dtype == torch.float32 and sink.device == q.device and sink.is_contiguous() and sink.numel() == H):
         return False
-    if _capability(_index(q))[0] < 9 or smem_bytes(L) > _smem_optin(_index(q)):
-        return False  # (a GPU with less shared memory per block than an H100 / H200: the Triton kernels)
-    return cuda_kernels.load() is not None
+    if _capability(_index(q))[0] < 9:
+        return False
+    mod = cuda_kernels.load()
+    # the shared memory its CTAs take for this list (a GPU with less per block than an H100 / H200: Triton)
+    return mod is not None and 0 < mod.sparse_attn_decode_smem(L) <= _smem_optin(_index(q))
 
 
 def sparse_attn(q: torch.Tensor, kv_win: torch.Tensor, idx_win: torch.Tensor, kv_comp: torch.Tensor | None,

@@ -119,6 +119,10 @@ def test_limits_route_elsewhere():
     assert not sc.applies(*chunk[:6])  # 9 queries: a prefill chunk
     small = make_case(1, 1, 64, 256, 128, 256, 256, seed=1, device="cuda")
     assert not sc.applies(*small[:6])  # D = 256 (the demo model)
+    mod = cuda_kernels.load()
+    # 16 KB of q rows + 3 blocks of 64 KB + 2 KB of bf16(p) + 5,376 bytes of small arrays (C = 8)
+    assert mod.sparse_attn_decode_smem(1536) == 220416
+    assert mod.sparse_attn_decode_smem(1537) == -1 and mod.sparse_attn_decode_smem(0) == -1
     q, kvw, iw, kvc, ic, sink, _ = ok
     assert not sc.applies(q, kvw, iw.long(), kvc, ic, sink)  # int64 lists
     assert not sc.applies(q.float(), kvw.float(), iw, kvc.float(), ic, sink)

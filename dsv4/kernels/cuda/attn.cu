@@ -402,20 +402,41 @@ cudaError_t launch(const AttnArgs& a, int queries, int head_groups, bool pdl, cu
   return launch_ex(kernel, dim3(C, head_groups, queries), dim3(kThreads), smem, pdl, C, stream, a);
 }
 
+template <int C_, int NBL_>
+struct Config {
+  static constexpr int C = C_, NBL = NBL_;
+};
+
+// f(Config<C, NBL>{}) for a list of 1..kAttnMaxSlots slots: C the list's blocks rounded up to a power of two, at
+// most 8 (a CTA past the list only joins the combine); then up to 3 blocks per CTA
+template <typename F>
+auto with_config(int slots, F&& f) -> decltype(f(Config<1, 1>{})) {
+  const int nblk = (slots + kAttnBlock - 1) / kAttnBlock;
+  if (nblk <= 1) return f(Config<1, 1>{});
+  if (nblk <= 2) return f(Config<2, 1>{});
+  if (nblk <= 4) return f(Config<4, 1>{});
+  if (nblk <= 8) return f(Config<8, 1>{});
+  if (nblk <= 16) return f(Config<8, 2>{});
+  return f(Config<8, 3>{});
+}
+
 }  // namespace
 
 cudaError_t sparse_attn_decode_launch(const AttnArgs& a, int queries, int head_groups, bool pdl, cudaStream_t stream) {
   const int L = a.Lw + a.Lc;
   if (L < 1 || L > kAttnMaxSlots || queries < 1 || head_groups < 1) return cudaErrorInvalidValue;
-  // C: the list's blocks rounded up to a power of two, at most 8 (a CTA past the list only joins the combine); then
-  // up to 3 blocks per CTA
-  const int nblk = (L + kAttnBlock - 1) / kAttnBlock;
-  if (nblk <= 1) return launch<1, 1>(a, queries, head_groups, pdl, stream);
-  if (nblk <= 2) return launch<2, 1>(a, queries, head_groups, pdl, stream);
-  if (nblk <= 4) return launch<4, 1>(a, queries, head_groups, pdl, stream);
-  if (nblk <= 8) return launch<8, 1>(a, queries, head_groups, pdl, stream);
-  if (nblk <= 16) return launch<8, 2>(a, queries, head_groups, pdl, stream);
-  return launch<8, 3>(a, queries, head_groups, pdl, stream);
+  return with_config(L, [&](auto cfg) {
+    using K = decltype(cfg);
+    return launch<K::C, K::NBL>(a, queries, head_groups, pdl, stream);
+  });
+}
+
+int sparse_attn_decode_smem(int slots) {
+  if (slots < 1 || slots > kAttnMaxSlots) return -1;
+  return with_config(slots, [](auto cfg) {
+    using K = decltype(cfg);
+    return smem_bytes<K::C, K::NBL>();
+  });
 }
 
 }  // namespace dsv4

@@ -29,4 +29,7 @@ constexpr int kAttnMaxSlots = kAttnBlock * kAttnMaxCluster * kAttnMaxBlocksPerCt
 // B * S queries (grid z), H / 16 head groups; 1 <= Lw + Lc <= kAttnMaxSlots (checked by the binding)
 cudaError_t sparse_attn_decode_launch(const AttnArgs& a, int queries, int head_groups, bool pdl, cudaStream_t stream);
 
+// dynamic shared memory of one CTA for a list of `slots` (the launch's config), -1 outside 1..kAttnMaxSlots
+int sparse_attn_decode_smem(int slots);
+
 }  // namespace dsv4

@@ -434,6 +434,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_cluster_fit", &gemm_cluster_fit, "clusters of `splits` prefill-GEMM CTAs the device holds at once");
   m.def("gemm_fp8", &gemm_fp8, "prefill GEMM on fp8 block-scaled weights, TMA + wgmma (gemm.cu)");
   m.def("mhc_boundary", &mhc_boundary, "one mHC boundary (post, pre, RMSNorm) of 1-8 tokens (mhc.cu)");
+  m.def("sparse_attn_decode_smem", &dsv4::sparse_attn_decode_smem,
+        "dynamic shared memory of one sparse_attn_decode CTA for a list of this many slots (-1: unsupported)");
   m.def("sparse_attn_decode", &sparse_attn_decode, "sparse MQA attention with a sink, 1-8 queries (attn.cu)");
   m.def("moe_decode", &moe_decode, "decode MoE experts of one token: MXFP4 routed + FP8 shared (moe.cu)");
 }
