@@ -148,6 +148,7 @@ def build_cases(dev):
     cases["head"] = ("head", make_head)
     cases.update(moe_cases(dev, randn))
     cases.update(attn_cases(dev, randn))
+    cases.update(indexer_cases(dev, randn))
     return cases
 
 
@@ -197,6 +198,35 @@ def attn_cases(dev, randn):
         if sparse_attn_triton is not None:
             cases[name + ".triton"] = ("sparse_attn", lambda M, kind=kind, context=context: make(M, kind, context),
                                        sparse_attn_triton.sparse_attn)
+    return cases
+
+
+INDEXER = [("indexer.1k", 1024), ("indexer.16k", 16384), ("indexer.128k", 131072)]
+
+
+def indexer_cases(dev, randn):
+    """A CSA layer's Lightning Indexer at Flash shapes (64 heads x 128, k = 512 of context / 4 entries): `.scores` (bf16
+    scores of M queries, reference numerics; bytes: q, w, the keys, the scores) and `.topk` (the top-512 list per query;
+    bytes: the scores, the list). M is the number of queries."""
+    import torch
+
+    H, d, k = 64, 128, 512
+
+    def make_scores(M, n):
+        q = randn(1, M, H, d, dtype=torch.bfloat16)
+        w = randn(1, M, H, std=0.01, dtype=torch.bfloat16)
+        keys = randn(1, n, d, dtype=torch.bfloat16)
+        return (q, w, keys, True, (d * H) ** -0.5), _nbytes(q, w, keys) + M * n * 2
+
+    def make_topk(M, n):
+        x = torch.relu(randn(1, M, n)).to(torch.bfloat16)  # ReLU-like: many exact zeros
+        n_vis = torch.full((M,), n, dtype=torch.int64, device=dev)
+        return (x, n_vis, min(k, n)), _nbytes(x) + M * k * 4
+    cases = {}
+    for name, context in INDEXER:
+        n = context // 4
+        cases[name + ".scores"] = ("indexer_scores", lambda M, n=n: make_scores(M, n))
+        cases[name + ".topk"] = ("topk_select", lambda M, n=n: make_topk(M, n))
     return cases
 
 
@@ -448,7 +478,8 @@ def main(argv=None) -> int:
                  + ["wo_a", "wo_a.bf16", "mhc_pre_norm", "mhc_post_pre_norm", "mhc_pre_norm.triton",
                     "mhc_post_pre_norm.triton", "head", "moe_experts",
                     "moe_experts.triton", "router"]
-                 + [n + t for n, _, _ in ATTN for t in ("", ".triton")])
+                 + [n + t for n, _, _ in ATTN for t in ("", ".triton")]
+                 + [n + t for n, _ in INDEXER for t in (".scores", ".topk")])
         print("\n".join(names))
         return 0
     if not torch.cuda.is_available():
