@@ -1,11 +1,11 @@
 """Triton fast paths of `indexer_scores` and `topk_select` (same signatures and numerics as the references
 in dsv4/ops/indexer.py, SPEC §2.5). Owns two kernels and their configs; touches nothing else.
 
-- `_scores_kernel`: one program per (query block, BN entries). Per query it computes the [BN, H] head
-  logits with one tl.dot (entries as the M dimension, heads as N; fp32 accumulation), then ReLU, times the
-  per-head weight, and the sum over heads. Low precision (reference numerics) reproduces the bf16 einsum
+- `_scores_kernel`: one program per (BN entries, block of SB queries): the entries' key tile is loaded once;
+  per query it computes the [BN, H] head logits with one tl.dot (entries as the M dimension, heads as N;
+  fp32 accumulation), then ReLU, times the per-head weight, and the sum over heads. Low precision (reference numerics) reproduces the bf16 einsum
   step by step: each head logit rounded to the activation dtype, relu, times w (rounded to that dtype),
-  rounded, summed in fp32, rounded once. Otherwise all fp32. Only the dot's summation order differs from
+  rounded, summed in fp32, rounded once (on the GPU each rounding is one cvt.rn). Otherwise all fp32. Only the dot's summation order differs from
   the reference (tolerances `op_bf16_out` / `op_fp32_out`).
 - `_topk_kernel`: exact top-k, bit for bit the reference's set and order. A row is cut into chunks of
   TOPK_TILE entries; each chunk's program keeps its k best (entries past the visible count are -inf), then
@@ -37,10 +37,12 @@ def _pow2_ge(v: int) -> int:
 
 
 @triton.jit
-def _round_kind(x, KIND: tl.constexpr):
-    """fp32 -> the nearest value of bf16 / fp16 / fp32 (ties to even), still fp32. bf16 is written out:
-    the Triton interpreter's fp32 -> bf16 cast truncates; the GPU's cvt.rn gives the same."""
+def _round_kind(x, KIND: tl.constexpr, HW: tl.constexpr):
+    """fp32 -> the nearest value of bf16 / fp16 / fp32 (ties to even), still fp32. On the GPU (HW) one cvt.rn each
+    way; in the Triton interpreter, whose fp32 -> bf16 cast truncates, bf16 is written out in integer ops."""
     if KIND == 0:
+        if HW:
+            return x.to(tl.bfloat16).to(tl.float32)
         b = x.to(tl.int32, bitcast=True)
         r = ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
         return tl.where(x == x, r, x)
@@ -53,10 +55,10 @@ def _round_kind(x, KIND: tl.constexpr):
 @triton.jit
 def _scores_kernel(q_ptr, w_ptr, k_ptr, o_ptr, S, H, N, d,
                    sq_b, sq_s, sq_h, sw_b, sw_s, sk_b, sk_n, so_b, so_s, w_scale,
-                   HP: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr,
-                   LOW: tl.constexpr, KIND: tl.constexpr, OPT: tl.constexpr):
-    pid_s = tl.program_id(0)
-    pid_n = tl.program_id(1)
+                   HP: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr, STAGES: tl.constexpr,
+                   LOW: tl.constexpr, KIND: tl.constexpr, OPT: tl.constexpr, HW: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     offs_n = pid_n * BN + tl.arange(0, BN)
     n_ok = offs_n < N
@@ -67,33 +69,39 @@ def _scores_kernel(q_ptr, w_ptr, k_ptr, o_ptr, S, H, N, d,
     kt = tl.load(k_ptr + b * sk_b + offs_n[:, None].to(tl.int64) * sk_n + offs_d[None, :],
                  mask=n_ok[:, None] & d_ok[None, :], other=0.0)
     if LOW:
-        kt = _round_kind(kt.to(tl.float32), KIND)  # k.to(q.dtype)
+        kt = _round_kind(kt.to(tl.float32), KIND, HW)  # k.to(q.dtype)
     kt = kt.to(OPT)
-    for j in range(SB):
-        s = pid_s * SB + j
-        if s < S:
-            qj = tl.load(q_ptr + b * sq_b + s * sq_s + offs_h[:, None] * sq_h + offs_d[None, :],
-                         mask=h_ok[:, None] & d_ok[None, :], other=0.0).to(OPT)
-            wj = tl.load(w_ptr + b * sw_b + s * sw_s + offs_h, mask=h_ok, other=0.0).to(tl.float32)
-            if LOW:  # w.to(q.dtype) * w_scale, rounded to q's dtype (torch computes it in fp32)
-                wj = _round_kind(_round_kind(wj, KIND) * w_scale, KIND)
-            else:
-                wj = wj * w_scale
-            if OPT == tl.float32:
-                t = tl.dot(kt, tl.trans(qj), input_precision="ieee")  # [BN, HP] fp32
-            else:
-                t = tl.dot(kt, tl.trans(qj))
-            if LOW:
-                t = tl.maximum(_round_kind(t, KIND), 0.0)
-                u = _round_kind(t * wj[None, :], KIND)
-                res = _round_kind(tl.sum(u, 1), KIND)
-            else:
-                res = tl.sum(tl.maximum(t, 0.0) * wj[None, :], 1)
-            tl.store(o_ptr + b * so_b + s * so_s + offs_n, res.to(o_ptr.dtype.element_ty), mask=n_ok)
+    s0 = pid_s * SB
+    # one K tile serves SB queries; the loop is software-pipelined (the next queries' q and w load during
+    # this query's dot and epilogue); queries past S are masked, not branched around
+    for j in tl.range(0, SB, num_stages=STAGES):
+        s = s0 + j
+        hs_ok = h_ok & (offs_h * 0 + s < S)  # (a tensor: the interpreter's masks must be)
+        qj = tl.load(q_ptr + b * sq_b + s * sq_s + offs_h[:, None] * sq_h + offs_d[None, :],
+                     mask=hs_ok[:, None] & d_ok[None, :], other=0.0).to(OPT)
+        wj = tl.load(w_ptr + b * sw_b + s * sw_s + offs_h, mask=hs_ok, other=0.0).to(tl.float32)
+        if LOW:  # w.to(q.dtype) * w_scale, rounded to q's dtype (torch computes it in fp32)
+            wj = _round_kind(_round_kind(wj, KIND, HW) * w_scale, KIND, HW)
+        else:
+            wj = wj * w_scale
+        if OPT == tl.float32:
+            t = tl.dot(kt, tl.trans(qj), input_precision="ieee")  # [BN, HP] fp32
+        else:
+            t = tl.dot(kt, tl.trans(qj))
+        if LOW:
+            t = tl.maximum(_round_kind(t, KIND, HW), 0.0)
+            u = _round_kind(t * wj[None, :], KIND, HW)
+            res = _round_kind(tl.sum(u, 1), KIND, HW)
+        else:
+            res = tl.sum(tl.maximum(t, 0.0) * wj[None, :], 1)
+        tl.store(o_ptr + b * so_b + s * so_s + offs_n, res.to(o_ptr.dtype.element_ty), mask=n_ok & (offs_n * 0 + s < S))
 
 
-# entries per program, queries per program (prefill: one K tile serves SB queries), warps
-SCORES_CFG = {"bn": 128, "sb": 8, "warps": 4}
+# entries per program (BN: `bn_small` up to `large_n` entries, else `bn_large`), queries per program (one K tile
+# serves SB queries), software-pipeline stages of the query loop, warps. Measured on an H200 (docs/performance.md,
+# sixteenth pass): a 64-entry tile wins for short lists (more programs), a 128-entry one from 16K context; more
+# queries per tile and pipelining the next query's loads both cost more than they save
+SCORES_CFG = {"bn_small": 64, "bn_large": 128, "large_n": 8192, "sb": 4, "stages": 1, "warps": 4}
 
 
 def indexer_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, low_precision: bool,
@@ -121,15 +129,17 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, low_precis
         opt = tl.bfloat16 if kind == 0 else tl.float16
     else:
         opt = tl.float32
-    BN = SCORES_CFG["bn"] if q.is_cuda else 64
-    SB = 1 if S == 1 else (SCORES_CFG["sb"] if q.is_cuda else S)
-    grid = (triton.cdiv(S, SB), triton.cdiv(N, BN), B)
-    opts = {"num_warps": SCORES_CFG["warps"]} if q.is_cuda else {}
+    if q.is_cuda:
+        cfg = SCORES_CFG
+        BN = cfg["bn_large"] if N > cfg["large_n"] else cfg["bn_small"]
+        SB, stages, opts = min(cfg["sb"], S), cfg["stages"], {"num_warps": cfg["warps"]}
+    else:
+        BN, SB, stages, opts = 64, S, 1, {}
+    grid = (triton.cdiv(N, BN), triton.cdiv(S, SB), B)
     _scores_kernel[grid](q, w, k, o, S, H, N, d, q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1),
                          k.stride(0), k.stride(1), o.stride(0), o.stride(1),
                          float(w_scale), HP=max(16, _pow2_ge(H)), DP=max(16, _pow2_ge(d)), BN=BN, SB=SB,
-                         LOW=bool(low_precision),
-                         KIND=kind, OPT=opt, **opts)
+                         STAGES=stages, LOW=bool(low_precision), KIND=kind, OPT=opt, HW=q.is_cuda, **opts)
     return o
 
 
