@@ -1041,7 +1041,10 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w1: P
     BM = _cfg("bmt", 8)  # token rows per routed work item: 8 keeps the mma.sync path (N = 16 goes to wgmma)
     BMS = _cfg("bms", 16)  # token rows per shared tile: more rows cost registers (occupancy) in every CTA
     bn1, bns1 = _cfg("p_up_bn", 64), _cfg("p_up_bns", 64)
-    pw, ps = _cfg("p_warps", 4), _cfg("p_stages", 3)
+    # warps and pipeline stages of the up and the down kernel apart (H200, 128 tokens: 2 stages for both, 2 warps for
+    # the down's 64 x 8 tiles; 1365 -> 1268 us, docs/performance.md sixteenth pass)
+    pu_w, pu_s = _cfg("pu_warps", 4), _cfg("pu_stages", 2)
+    pd_w, pd_s = _cfg("pd_warps", 2), _cfg("pd_stages", 2)
     srt = torch.empty((P,), dtype=torch.int32, device=dev)
     seg = torch.empty((E + 1,), dtype=torch.int32, device=dev)
     toff = torch.empty((E + 1,), dtype=torch.int32, device=dev)
@@ -1063,7 +1066,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w1: P
         x.stride(0), E, *r1[3:], q1[4], q1[6], items_s, nt_s, nt_r,
         KP=KP, TKP=1, LOGE=loge, SORTED=True, QR=False, QS=False, HAS_LIMIT=limit > 0, BM=BM, BMS=BMS,
         BN=bn1, BNS=bns1, BK=bk1, BKS=bks1, EVEN_K=D % bk1 == 0, EVEN_KS=D % bks1 == 0,
-        num_warps=pw, NUM_STAGES=ps, **ew, **com)
+        num_warps=pu_w, NUM_STAGES=pu_s, **ew, **com)
     bkq = 512 if N % 512 == 0 else 128
     if aq_r:
         _act_sim_kernel[(P, triton.cdiv(N, bkq))](h, h, P, N, N, N, BK=bkq, HW=gpu, num_warps=4)
@@ -1077,7 +1080,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w1: P
     _moe_down_grouped_kernel[(items_s * nt_s + w_max * nt_r,)](
         h, weights, srt, seg, toff, *r2[:3], *q2[:3], ys, T, N, D, E, *r2[3:], q2[4], q2[6], items_s, nt_s, nt_r,
         LOGE=loge, BM=BM, BMS=BMS, BN=bn2, BNS=bn2, BK=bk2, BKS=bks2, EVEN_K=N % bk2 == 0, EVEN_KS=N % bks2 == 0,
-        num_warps=pw, NUM_STAGES=ps, **ew, **com)
+        num_warps=pd_w, NUM_STAGES=pd_s, **ew, **com)
     BD = min(1024, triton.next_power_of_2(D))
     _moe_combine_kernel[(T, triton.cdiv(D, BD))](ys, idx, y, T, D, KTOP=k, KP=KP, HAS_SHARED=has_shared,
                                                   BF16=bf16, BD=BD, num_warps=4)
