@@ -47,6 +47,30 @@ def test_lockstep_returns_the_reference_and_flags_a_wrong_fast_op():
     assert not hook.rows[("compressor", "csa")]["over"]
 
 
+def test_fused_mhc_boundary_is_scored_on_its_own_streams():
+    # mhc_post_pre_norm: the streams against the reference's, the pre + norm against the reference pre + norm of the
+    # streams the fast op wrote (a fast op one bf16 ulp off in a stream is judged on that stream)
+    from dsv4.ops.mhc import mhc_post_pre_norm_ref, mhc_pre_norm_ref
+
+    g = torch.Generator().manual_seed(0)
+    hc, D = 4, 256
+    x = torch.randn(1, 3, hc, D, generator=g).to(torch.bfloat16)
+    f = torch.randn(1, 3, D, generator=g).to(torch.bfloat16)
+    post, comb = torch.rand(1, 3, hc, generator=g), torch.rand(1, 3, hc, hc, generator=g)
+    fn = torch.randn((2 + hc) * hc, hc * D, generator=g) * (hc * D) ** -0.5
+    tail = (fn, torch.randn((2 + hc) * hc, generator=g) * 0.5, 1 + torch.randn(3, generator=g) * 0.3, hc, 20, 1e-6,
+            1e-6, (1 + 0.3 * torch.randn(D, generator=g)).to(torch.bfloat16), 1e-6)
+    args = (f, x, post, comb) + tail
+    ref = mhc_post_pre_norm_ref(*args)
+    streams = ref[0].clone()
+    streams.view(torch.int16)[0, 1, 2, 7] += 1  # one ulp
+    fast = (streams, *mhc_pre_norm_ref(streams, *tail))
+    staged = ab.staged_reference("mhc_post_pre_norm", fast, ref, args)
+    assert staged[0] is ref[0] and all(torch.equal(a, b) for a, b in zip(staged[1:], fast[1:]))
+    assert not ab.compare("mhc_post_pre_norm", fast, staged, args)["over"]
+    assert ab.staged_reference("linear", fast, ref, args) is ref
+
+
 def test_end_to_end_scores_each_step_on_the_same_inputs():
     ref = torch.tensor([[3.0, 1.0, 0.0], [2.0, 1.95, 0.0], [2.0, 0.0, 1.0]])
     fast = ref.clone()
