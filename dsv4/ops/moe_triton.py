@@ -813,15 +813,22 @@ def _moe_down_grouped_kernel(h_ptr, wts_ptr, srt_ptr, seg_ptr, toff_ptr, w2_ptr,
 
 @triton.jit
 def _moe_sort_kernel(idx_ptr, srt_ptr, seg_ptr, toff_ptr, P, NE, BMT: tl.constexpr, EP: tl.constexpr,
-                     CH: tl.constexpr):
+                     CH: tl.constexpr, PP: tl.constexpr):
     """One CTA: stable counting sort of the P (token, slot) pairs by expert. seg [E+1]: pair offsets per expert;
-    toff [E+1]: work-item offsets (ceil(count / BMT) items per expert); srt [P]: pair rows t*k+j by expert."""
+    toff [E+1]: work-item offsets (ceil(count / BMT) items per expert); srt [P]: pair rows t*k+j by expert.
+    P <= PP (a power of two, PP * EP < 2^31): one histogram and one tl.sort of the keys expert * PP + pair (distinct,
+    so the sort is the stable one); else (PP = 0) chunks of CH pairs, each placed after the earlier chunks' pairs."""
     offs_e = tl.arange(0, EP)
-    counts = tl.zeros([EP], dtype=tl.int32)
-    for c0 in range(0, P, CH):
-        p = c0 + tl.arange(0, CH)
+    if PP > 0:
+        p = tl.arange(0, PP)
         ev = tl.load(idx_ptr + p, mask=p < P, other=0).to(tl.int32)
-        counts += tl.histogram(ev, EP, mask=p < P)
+        counts = tl.histogram(ev, EP, mask=p < P)
+    else:
+        counts = tl.zeros([EP], dtype=tl.int32)
+        for c0 in range(0, P, CH):
+            pc = c0 + tl.arange(0, CH)
+            evc = tl.load(idx_ptr + pc, mask=pc < P, other=0).to(tl.int32)
+            counts += tl.histogram(evc, EP, mask=pc < P)
     seg = tl.cumsum(counts, axis=0) - counts
     tiles = (counts + BMT - 1) // BMT
     toff = tl.cumsum(tiles, axis=0) - tiles
@@ -830,16 +837,20 @@ def _moe_sort_kernel(idx_ptr, srt_ptr, seg_ptr, toff_ptr, P, NE, BMT: tl.constex
     tl.store(toff_ptr + offs_e, toff, mask=e_ok)
     tl.store(seg_ptr + NE, tl.sum(counts))
     tl.store(toff_ptr + NE, tl.sum(tiles))
-    run = seg
-    offs_c = tl.arange(0, CH)
-    for c0 in range(0, P, CH):
-        p = c0 + offs_c
-        ok = p < P
-        ev = tl.load(idx_ptr + p, mask=ok, other=0).to(tl.int32)
-        same = (ev[:, None] == ev[None, :]) & (offs_c[None, :] < offs_c[:, None])
-        pos = tl.gather(run, ev, 0) + tl.sum(same.to(tl.int32), axis=1)  # earlier pairs of this expert first
-        tl.store(srt_ptr + pos, p, mask=ok)
-        run += tl.histogram(ev, EP, mask=ok)
+    if PP > 0:
+        keys = tl.sort(tl.where(p < P, ev * PP + p, EP * PP), 0)  # pairs past P sort last
+        tl.store(srt_ptr + p, keys & (PP - 1), mask=p < P)
+    else:
+        run = seg
+        offs_c = tl.arange(0, CH)
+        for c0 in range(0, P, CH):
+            pc = c0 + offs_c
+            ok = pc < P
+            evc = tl.load(idx_ptr + pc, mask=ok, other=0).to(tl.int32)
+            same = (evc[:, None] == evc[None, :]) & (offs_c[None, :] < offs_c[:, None])
+            pos = tl.gather(run, evc, 0) + tl.sum(same.to(tl.int32), axis=1)  # earlier pairs of this expert first
+            tl.store(srt_ptr + pos, pc, mask=ok)
+            run += tl.histogram(evc, EP, mask=ok)
 
 
 @triton.jit
@@ -877,6 +888,7 @@ def _moe_combine_kernel(ys_ptr, idx_ptr, y_ptr, T, D, KTOP: tl.constexpr, KP: tl
 # ---------------------------------------------------------------------------------------------------------
 # experts: host side
 
+SORT_PAIRS = 1024  # (token, slot) pairs the prefill sort takes in one tl.sort: a 128-token chunk of k <= 8
 CONFIG_OVERRIDES: dict[str, int] = {}  # tools/benchmarks may pin a config key (see _cfg); empty in production
 
 
@@ -1048,7 +1060,9 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w1: P
     srt = torch.empty((P,), dtype=torch.int32, device=dev)
     seg = torch.empty((E + 1,), dtype=torch.int32, device=dev)
     toff = torch.empty((E + 1,), dtype=torch.int32, device=dev)
-    _moe_sort_kernel[(1,)](idx, srt, seg, toff, P, E, BMT=BM, EP=triton.next_power_of_2(E), CH=64, num_warps=4)
+    EP = triton.next_power_of_2(E)
+    PP = SORT_PAIRS if P <= SORT_PAIRS and SORT_PAIRS * EP < 2 ** 31 else 0  # one shape: compiled once, at warm-up
+    _moe_sort_kernel[(1,)](idx, srt, seg, toff, P, E, BMT=BM, EP=EP, CH=64, PP=PP, num_warps=4)
     w_max = triton.cdiv(P, BM) + min(E, P)
     items_s = triton.cdiv(T, BMS) if has_shared else 0
     loge = max(1, (E - 1).bit_length())

@@ -205,6 +205,27 @@ def test_experts_stacked_decode_interpreted(stacked_decode):
 
 
 @cpu_tier
+@pytest.mark.parametrize("P,pp", [(700, 1024), (700, 0), (1, 1024), (65, 0)])
+def test_prefill_sort_interpreted(P, pp):
+    # the prefill's device sort, one tl.sort (pp) or chunks of 64 pairs (pp = 0): the stable sort by expert, the
+    # per-expert pair offsets and the work-item offsets (ceil(count / 8) items per expert)
+    import triton
+
+    mt = _fast()
+    E, bmt = 256, 8
+    g = _gen(P + pp)
+    idx = torch.randint(0, E, (P,), generator=g)
+    idx[: P // 3] = idx[0]  # a crowded expert: its pairs must stay in pair order
+    srt, seg, toff = (torch.full((n,), -7, dtype=torch.int32) for n in (P, E + 1, E + 1))
+    mt._moe_sort_kernel[(1,)](idx, srt, seg, toff, P, E, BMT=bmt, EP=triton.next_power_of_2(E), CH=64, PP=pp)
+    counts = torch.bincount(idx, minlength=E)
+    assert torch.equal(srt.long(), torch.argsort(idx, stable=True))
+    assert torch.equal(seg.long(), torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]))
+    items = (counts + bmt - 1) // bmt
+    assert torch.equal(toff.long(), torch.cat([torch.zeros(1, dtype=torch.long), items.cumsum(0)]))
+
+
+@cpu_tier
 def test_experts_deterministic_interpreted():
     fast, args, y = _check_experts(5, 128, 128, 8, 2, "mxfp4", "fp8", "cpu", seed=8)
     assert torch.equal(fast.moe_experts(*args), y)
