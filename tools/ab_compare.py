@@ -122,16 +122,20 @@ def compare(op: str, fast, ref, args: tuple = ()) -> dict:
     return worst
 
 
-def staged_reference(op: str, fast_out, ref_out, args: tuple):
+def staged_reference(op: str, fast_out, ref_out, args: tuple, kwargs: dict | None = None):
     """The reference a fused op's outputs are held to. mhc_post_pre_norm writes the new streams, then runs
     mhc_pre_norm on them: its streams are held to the reference's, its later outputs to the reference pre + norm of
     the streams the fast op wrote, as its tests do (one bf16 ulp in a stream, within op_bf16_out, moves the fp32
     mixing weights after 20 Sinkhorn rounds by ~1e-5..4e-5 at Flash width, beyond op_fp32_out's summation-order
     bound; judged on its own streams the fast pre is held to that bound)."""
     if op == "mhc_post_pre_norm":
-        from dsv4.ops.mhc import mhc_pre_norm_ref
+        import inspect
 
-        return (ref_out[0], *mhc_pre_norm_ref(fast_out[0], *args[4:]))
+        from dsv4.ops.mhc import mhc_post_pre_norm_ref, mhc_pre_norm_ref
+
+        bound = inspect.signature(mhc_post_pre_norm_ref).bind(*args, **(kwargs or {})).arguments
+        pre = {k: v for k, v in bound.items() if k not in ("f", "x", "post", "comb")}  # mhc_pre_norm_ref's names
+        return (ref_out[0], *mhc_pre_norm_ref(fast_out[0], **pre))
     return ref_out
 
 
@@ -165,7 +169,7 @@ class Lockstep:
         ref_out = ref_ret
         if ref_ret is None:  # an op that updates its arguments in place: compare those
             fast_out, ref_out = _tensors(fargs), _tensors(args)
-        score = compare(op.name, fast_out, staged_reference(op.name, fast_out, ref_out, args), args)
+        score = compare(op.name, fast_out, staged_reference(op.name, fast_out, ref_out, args, kwargs), args)
         key = (op.name, self.kind)
         row = self.rows.setdefault(key, {"op": op.name, "layer": self.kind, "calls": 0, "max_abs": 0.0, "rel": 0.0,
                                          "rel_l2": 0.0, "cos": 1.0, "ref_us": 0.0, "fast_us": 0.0, "over": False,

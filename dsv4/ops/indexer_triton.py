@@ -3,10 +3,11 @@ in dsv4/ops/indexer.py, SPEC §2.5). Owns two kernels and their configs; touches
 
 - `_scores_kernel`: one program per (BN entries, block of SB queries): the entries' key tile is loaded once;
   per query it computes the [BN, H] head logits with one tl.dot (entries as the M dimension, heads as N;
-  fp32 accumulation), then ReLU, times the per-head weight, and the sum over heads. Low precision (reference numerics) reproduces the bf16 einsum
-  step by step: each head logit rounded to the activation dtype, relu, times w (rounded to that dtype),
-  rounded, summed in fp32, rounded once (on the GPU each rounding is one cvt.rn). Otherwise all fp32. Only the dot's summation order differs from
-  the reference (tolerances `op_bf16_out` / `op_fp32_out`).
+  fp32 accumulation), then ReLU, times the per-head weight, and the sum over heads. Low precision (reference
+  numerics) reproduces the bf16 einsum step by step: each head logit rounded to the activation dtype, relu,
+  times w (rounded to that dtype), rounded, summed in fp32, rounded once (on the GPU each rounding is one
+  cvt.rn). Otherwise all fp32. Only the dot's summation order differs from the reference (tolerances
+  `op_bf16_out` / `op_fp32_out`).
 - `_topk_kernel`: exact top-k, bit for bit the reference's set and order. A row is cut into chunks of
   TOPK_TILE entries; each chunk's program keeps its k best (entries past the visible count are -inf), then
   merge rounds keep the k best of TOPK_MERGE candidates per program until one program per row is left,
@@ -38,8 +39,9 @@ def _pow2_ge(v: int) -> int:
 
 @triton.jit
 def _round_kind(x, KIND: tl.constexpr, HW: tl.constexpr):
-    """fp32 -> the nearest value of bf16 / fp16 / fp32 (ties to even), still fp32. On the GPU (HW) one cvt.rn each
-    way; in the Triton interpreter, whose fp32 -> bf16 cast truncates, bf16 is written out in integer ops."""
+    """fp32 -> the nearest value of bf16 / fp16 / fp32 (ties to even), still fp32. On the GPU (HW) one cvt.rn
+    (the widening back is exact); in the Triton interpreter, whose fp32 -> bf16 cast truncates, bf16 is written
+    out in integer ops."""
     if KIND == 0:
         if HW:
             return x.to(tl.bfloat16).to(tl.float32)
@@ -72,8 +74,8 @@ def _scores_kernel(q_ptr, w_ptr, k_ptr, o_ptr, S, H, N, d,
         kt = _round_kind(kt.to(tl.float32), KIND, HW)  # k.to(q.dtype)
     kt = kt.to(OPT)
     s0 = pid_s * SB
-    # one K tile serves SB queries; the loop is software-pipelined (the next queries' q and w load during
-    # this query's dot and epilogue); queries past S are masked, not branched around
+    # one K tile serves SB queries; queries past S are masked, not branched around (STAGES: the loop's
+    # software-pipeline stages, 1 = not pipelined)
     for j in tl.range(0, SB, num_stages=STAGES):
         s = s0 + j
         hs_ok = h_ok & (offs_h * 0 + s < S)  # (a tensor: the interpreter's masks must be)
@@ -99,8 +101,9 @@ def _scores_kernel(q_ptr, w_ptr, k_ptr, o_ptr, S, H, N, d,
 
 # entries per program (BN: `bn_small` up to `large_n` entries, else `bn_large`), queries per program (one K tile
 # serves SB queries), software-pipeline stages of the query loop, warps. Measured on an H200 (docs/performance.md,
-# sixteenth pass): a 64-entry tile wins for short lists (more programs), a 128-entry one from 16K context; more
-# queries per tile and pipelining the next query's loads both cost more than they save
+# sixteenth pass): 64 entries up to 8192 (decode at 4096: 3.0 us against 3.4 with 128; a 128-query prefill there
+# would take 33.3 instead of 36.0), 128 beyond (decode at 32768: 5.2 against 5.8); more queries per tile and
+# pipelining the next query's loads both cost more than they save
 SCORES_CFG = {"bn_small": 64, "bn_large": 128, "large_n": 8192, "sb": 4, "stages": 1, "warps": 4}
 
 
@@ -134,7 +137,7 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, low_precis
         BN = cfg["bn_large"] if N > cfg["large_n"] else cfg["bn_small"]
         SB, stages, opts = min(cfg["sb"], S), cfg["stages"], {"num_warps": cfg["warps"]}
     else:
-        BN, SB, stages, opts = 64, S, 1, {}
+        BN, SB, stages, opts = 64, min(SCORES_CFG["sb"], S), 1, {}  # interpreted: the same query blocks
     grid = (triton.cdiv(N, BN), triton.cdiv(S, SB), B)
     _scores_kernel[grid](q, w, k, o, S, H, N, d, q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1),
                          k.stride(0), k.stride(1), o.stride(0), o.stride(1),

@@ -111,11 +111,10 @@ def test_scores_production_heads(fast, low):
         assert_close_rel(got, ref, "op_bf16_out" if low else "op_fp32_out")
 
 
-@cpu_tier
-@pytest.mark.parametrize("low", [True, False])
-def test_scores_scale_the_head_weights_as_torch(fast, low):
+def _check_weight_scaling(fast, low, dev):
     # one head, q = k = e0: each score is the scaled head weight itself, so its rounding shows bit for bit
-    # (reference numerics: bf16(bf16(w) * scale), torch's bf16 op computed in fp32; else fp32 w * scale)
+    # (reference numerics: bf16(bf16(w) * scale), torch's bf16 op computed in fp32; else fp32 w * scale); 200
+    # queries: 50 blocks of 4 on a GPU
     g = torch.Generator().manual_seed(6)
     dt = torch.bfloat16 if low else torch.float32
     q = torch.zeros(1, 200, 1, 16, dtype=dt)
@@ -123,11 +122,18 @@ def test_scores_scale_the_head_weights_as_torch(fast, low):
     k = torch.zeros(1, 1, 16, dtype=dt)
     k[..., 0] = 1
     w = torch.randn(1, 200, 1, generator=g).abs() * torch.exp2(torch.randint(-20, 20, (1, 200, 1), generator=g).float())
+    q, k, w = q.to(dev), k.to(dev), w.to(dev)
     for scale in (128 ** -0.5 * 64 ** -0.5, 1.0, 3.0):
         got = fast.indexer_scores(q, w, k, low, scale)
         want = (w.to(dt) * scale) if low else w * scale
         assert torch.equal(got[..., 0], want[..., 0]), scale
         assert torch.equal(indexer_scores_ref(q, w, k, low, scale)[..., 0], want[..., 0])
+
+
+@cpu_tier
+@pytest.mark.parametrize("low", [True, False])
+def test_scores_scale_the_head_weights_as_torch(fast, low):
+    _check_weight_scaling(fast, low, "cpu")
 
 
 @cpu_tier
@@ -181,6 +187,31 @@ def test_gpu_scores_flash(N, S, low):
     q, w, k = _flash_scores(S, N, seed=N + S, low=low)
     assert_close_rel(fast.indexer_scores(q, w, k, low), indexer_scores_ref(q, w, k, low),
                      "op_bf16_out" if low else "op_fp32_out")
+
+
+@pytest.mark.parametrize("low", [True, False])
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA or INTERP, reason="needs CUDA (not interpreted)")
+def test_gpu_scores_rounding_bitwise(low):
+    # the GPU's cvt.rn roundings of the head weights, bit for bit torch's
+    _check_weight_scaling(_gpu_fast(), low, "cuda")
+
+
+@pytest.mark.parametrize("S,N", [(5, 300), (127, 9000)])
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA or INTERP, reason="needs CUDA (not interpreted)")
+def test_gpu_scores_query_tail_and_batch(S, N):
+    # S not a multiple of the 4-query block (a prefill chunk of any length), two sequences, both entry tiles: each
+    # row as the reference's and bit for bit that query scored alone
+    fast = _gpu_fast()
+    g = torch.Generator(device="cuda").manual_seed(S)
+    q = torch.randn(2, S, 64, 128, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(2, S, 64, device="cuda", generator=g) * 0.01).to(torch.bfloat16)
+    k = torch.randn(2, N, 128, device="cuda", generator=g).to(torch.bfloat16)
+    got = fast.indexer_scores(q, w, k, True)
+    assert_close_rel(got, indexer_scores_ref(q, w, k, True), "op_bf16_out")
+    for s in (0, S - 1):
+        assert_bitwise_equal(got[:, s:s + 1], fast.indexer_scores(q[:, s:s + 1], w[:, s:s + 1], k, True), f"query {s}")
 
 
 @pytest.mark.gpu

@@ -68,6 +68,9 @@ def test_fused_mhc_boundary_is_scored_on_its_own_streams():
     staged = ab.staged_reference("mhc_post_pre_norm", fast, ref, args)
     assert staged[0] is ref[0] and all(torch.equal(a, b) for a, b in zip(staged[1:], fast[1:]))
     assert not ab.compare("mhc_post_pre_norm", fast, staged, args)["over"]
+    named = dict(zip(("fn", "base", "scale", "hc", "iters", "hc_eps", "norm_eps", "w", "eps"), tail))
+    by_name = ab.staged_reference("mhc_post_pre_norm", fast, ref, (f, x, post, comb), named)  # keyword arguments
+    assert all(torch.equal(a, b) for a, b in zip(by_name, staged))
     assert ab.staged_reference("linear", fast, ref, args) is ref
 
 
