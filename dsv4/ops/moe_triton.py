@@ -21,9 +21,8 @@ Experts, decode (T <= DECODE_MAX_T = 1 token), two launches:
 Experts, T > DECODE_MAX_T (MTP verification, prefill): `_moe_sort_kernel` (one CTA: stable sort of the (token,
 slot) pairs by expert into a bounded work list, on the device: one tl.sort for up to SORT_PAIRS pairs, else a
 counting sort in chunks), `_act_sim_kernel` (x, later h, FP8-simulated once), `_moe_up_kernel` over the work
-list (each hit expert's weights read once per BMT pairs),
-`_moe_down_grouped_kernel` (per-pair w2 outputs, rounded), `_moe_combine_kernel` (per token: ascending expert
-order, then the shared expert). The decode kernels also run T <= 4 (CONFIG_OVERRIDES["decode_max_t"] = 4, tested),
+list (each hit expert's weights read once per BMT pairs), `_moe_down_grouped_kernel` (per-pair w2 outputs,
+rounded), `_moe_combine_kernel` (per token: ascending expert order, then the shared expert). The decode kernels also run T <= 4 (CONFIG_OVERRIDES["decode_max_t"] = 4, tested),
 but at T = 4 the sorted path measured 164 us against 489 us on an H200.
 
 Weight tiles: FP4 bytes are loaded as int32 words (8 values; 16-byte vectors per thread) and expanded in registers
