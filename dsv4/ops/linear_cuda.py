@@ -274,21 +274,14 @@ def gemm_splits(M: int, N: int, K: int, sms: int) -> int:
 
 
 MAX_SPLIT_TILES = 4096  # output tiles of a split-K launch (the per-device arrival counters)
-_COUNTERS: dict[tuple[torch.device, str], torch.Tensor] = {}
 
 
 def _counters(device: torch.device) -> torch.Tensor:
-    """2 x MAX_SPLIT_TILES int32 zeros for `device` and the current stream's role (`ops.stream_role`: a launch on the
-    side stream may overlap one on the main stream); every launch leaves them zero. Made once, outside graph
-    capture; a launch captured before they exist gets its own (a memset node in its graph)."""
-    key = (device, stream_role(device))
-    c = _COUNTERS.get(key)
-    if c is None:
-        c = torch.zeros(2 * MAX_SPLIT_TILES, dtype=torch.int32, device=device)
-        if torch.cuda.is_current_stream_capturing():
-            return c
-        _COUNTERS[key] = c
-    return c
+    """The workspace split-K's 2 x MAX_SPLIT_TILES arrival counters on `device` for the current stream's role
+    (`triton_util.arrival_counters`: zeros that every launch leaves zero)."""
+    from dsv4.ops.triton_util import arrival_counters  # imported here: this module loads without Triton
+
+    return arrival_counters(device, "gemm split-K", 2 * MAX_SPLIT_TILES)
 
 
 def gemm(x2: torch.Tensor, w: PreparedLinear, out: torch.Tensor, splits: int | None = None) -> None:

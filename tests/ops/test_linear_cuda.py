@@ -395,10 +395,16 @@ def test_gemm_choice_fewer_splits_when_more_rows_overflow_the_gpu():
     for m in (128, 256, 1024):
         s = lc.gemm_choice(_x(m, 4096, torch.bfloat16, seed=m), w, True, torch.bfloat16)
         tiles = -(-m // 128) * 12
-        assert s in (1, 2, 4, 8) and s <= lc.GEMM_TUNED[(1536, 4096)]
-        assert s == 1 or tiles <= lc.cluster_fit(dev, s) or tiles * s <= sms, (m, s)
+        tuned = lc.GEMM_TUNED[(1536, 4096)]
+        assert s in (1, 2, 4, 8) and s <= tuned
+
+        def fits(n):  # the tiles' clusters of n fit at once, or their units fit one CTA per SM
+            return tiles <= lc.cluster_fit(dev, n) or tiles * n <= sms
+        assert s == 1 or fits(s), (m, s)
+        assert s == tuned or not fits(2 * s), (m, s)  # the most splits that fit: halved no further than needed
         if m == 128:
             assert s == 8
+    assert s < tuned  # 1024 rows (96 tiles) do not keep the 8 splits measured at 128
 
 
 def test_gemm_fp32_and_strided_x():
