@@ -166,12 +166,14 @@ def test_compressors_and_indexer_run_on_a_side_stream_with_the_same_bits(kernels
     ids = _ids(raw, 40, seed=5)
     calls = _op_streams(model, ids)
     side = {name for name, on_main in calls if not on_main}
-    # compress_proj, the compressors (CSA's two, HCA's one), the indexer (its queries' RoPE, scores, top-k)
-    assert side == {"linear", "compressor", "rope", "indexer_scores", "topk_select"}, calls
+    # the step plan (first layer), compress_proj, the compressors (CSA's two, HCA's one), the indexer (its queries'
+    # RoPE, scores, top-k)
+    assert side == {"step_plan", "linear", "compressor", "rope", "indexer_scores", "topk_select"}, calls
+    assert [m for name, m in calls if name == "step_plan"] == [False]  # once per step, beside the first layer
     assert sum(name == "compressor" and not m for name, m in calls) == 3
     assert all(not m for name, m in calls if name in ("indexer_scores", "topk_select"))
     assert all(m for name, m in calls if name in ("sparse_attn", "q_norm_rope", "kv_norm_rope", "mhc_pre_norm"))
-    # the step plan of the first layer too (torch kernels, not ops): built on the side stream, joined in its attention
+    # every branch is on a second stream, the plan's joined in the first layer's attention
     from dsv4.model.layers import SideBranch
 
     made = []

@@ -224,6 +224,19 @@ class StepPlan:
         end = None if (S == 1 or host_start is None) else host_start + S
         return StepPlan(start, pos, S, window, win_len, win_idx, pos[S - keep:] % window, end)
 
+    @staticmethod
+    def decode(start: torch.Tensor, window: int, tables: list, ratios: list, prefix: list) -> "StepPlan":
+        """A one-token step's plan (as `build(start, 1, window, None)`) with the RoPE rows of every table, the visible
+        counts of `ratios` and the HCA lists of `prefix` ((ratio, n) pairs) made at once by `ops.step_plan`: the
+        tensors `rope`, `n_visible` and `prefix_idx` would make one by one."""
+        win_idx, ring, ropes, n_vis, lists = ops.step_plan(start, window, [(t.cos, t.sin) for t in tables],
+                                                           list(ratios), list(prefix))
+        plan = StepPlan(start, start[:1], 1, window, window, win_idx, ring, None)
+        plan.ropes.update({id(t): r for t, r in zip(tables, ropes)})
+        plan.visible.update(zip(ratios, n_vis))
+        plan.visible.update(zip(prefix, lists))
+        return plan
+
     def ready(self) -> None:
         """Makes the current stream wait for the side branch that builds this plan (the decode step's plan is made
         beside the first layer's mHC and query projections); call before the first kernel that reads it."""

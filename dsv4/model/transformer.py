@@ -226,20 +226,17 @@ class Transformer(nn.Module):
         first = i == 0 or self.layers[i - 1].attn_norm.weight.device != dev
         cached = self._step_plans.get(dev)
         if first or cached is None or cached[0] != pos.data_ptr():
-            # ~20 small kernels with no input but pos: on the side stream, beside the layer's mHC and query
-            # projections; the attention waits for them (plan.ready()) before its first kernel that reads the plan
+            # everything now (a later layer's graph must not compute any of it), from pos alone (ops.step_plan: one
+            # launch on the fast path): on the side stream, beside the layer's mHC and query projections; the
+            # attention waits for it (plan.ready()) before its first kernel that reads the plan
+            tables = [self.rope(kind, dev) for kind in dict.fromkeys(lay.spec.rope for lay in self.layers)]
+            kinds = dict.fromkeys((lay.spec.ratio, lay.spec.has_indexer) for lay in self.layers)
+            ratios = [r for r, _ in kinds if r > 0]
+            # HCA: decode lists cover the whole entries buffer
+            prefix = [(r, st.max_len // r) for r, has_indexer in kinds if r > 0 and not has_indexer]
             branch = SideBranch(dev)
             with branch:
-                plan = StepPlan.build(pos, 1, self.cfg.sliding_window, None)
-                # everything now: a later layer's graph must not compute any of it
-                for kind in dict.fromkeys(lay.spec.rope for lay in self.layers):
-                    plan.rope(self.rope(kind, dev))
-                for ratio, has_indexer in dict.fromkeys((lay.spec.ratio, lay.spec.has_indexer)
-                                                        for lay in self.layers):
-                    if ratio > 0:
-                        plan.n_visible(ratio)
-                        if not has_indexer:  # HCA: decode lists cover the whole entries buffer
-                            plan.prefix_idx(ratio, plan.n_entries(ratio, st.max_len // ratio))
+                plan = StepPlan.decode(pos, self.cfg.sliding_window, tables, ratios, prefix)
             plan.pending = branch
             self._step_plans[dev] = (pos.data_ptr(), plan)
         plan = self._step_plans[dev][1]
