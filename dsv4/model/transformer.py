@@ -266,8 +266,8 @@ class Transformer(nn.Module):
         return x
 
     def _plan(self, plans: dict, device, p0: int, S: int) -> StepPlan:
-        # one plan per device per step; S = 1 builds the decode step's plan (static sizes), so the eager
-        # single-token path runs exactly what the CUDA-graph runner captures
+        # one plan per device per step; S = 1 builds a plan of the decode step's static sizes and values (the
+        # graph runner's layer_step makes the same tensors in one op, ops.step_plan)
         if device not in plans:
             start = torch.full((1,), p0, dtype=torch.int64, device=device)
             plans[device] = StepPlan.build(start, S, self.cfg.sliding_window, p0)

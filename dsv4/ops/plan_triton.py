@@ -3,7 +3,8 @@
 One program per output family, all in one grid: program 0 writes the window list and the ring slot, programs
 1..T copy the RoPE rows of table t at the position, programs T+1.. write a visible count or an HCA list. Integer
 results and copied rows: bit for bit `step_plan_ref`. Up to MAX_TABLES tables and MAX_LISTS ratios / lists per call
-(more: the reference runs).
+(more: the reference runs). The position is not checked against the tables' rows (the reference's indexing raises
+there; the engine never asks past them).
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ MAX_LISTS = 4
 _LIST_BLOCK = 1024
 
 
-# the integer arguments are never specialised: a padded slot's 1 or 0 would turn into a constexpr and the branches
-# that pick an argument by program id would no longer agree on its type
+# the integer arguments are never specialised: an integer 1 (a padded slot's ratio) would turn into a constexpr and
+# the branches that pick an argument by program id would no longer agree on its type
 @triton.jit(do_not_specialize=["window", "half", "r0", "r1", "r2", "r3", "q0", "q1", "q2", "q3",
                                "n0", "n1", "n2", "n3"])
 def _plan_kernel(start_ptr, win_ptr, ring_ptr, window,

@@ -18,6 +18,8 @@ CASES = [
     (128, [0, 127, 128, 129, 1000, 4095], [4, 128], [(128, 32)]),
     (5, [0, 3, 4, 5, 1234], [3], [(3, 2000), (7, 5)]),  # an odd window; a list longer than one 1024 block
     (16, [7, 300], [], []),
+    # every slot of the kernel used, each with its own ratio and length (a swapped slot shows), an empty list
+    (32, [0, 31, 4000], [2, 3, 5, 7], [(2, 0), (3, 1025), (5, 17), (7, 2048)]),
 ]
 
 
@@ -30,11 +32,15 @@ def _flat(out):
     return [win, ring] + [t for pair in ropes for t in pair] + list(vis) + list(lists)
 
 
+def _same(a, b) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)  # torch.equal alone ignores dtype
+
+
 def _assert_same(got, want, what):
     g, w = _flat(got), _flat(want)
     assert len(g) == len(w), what
     for a, b in zip(g, w):
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), what
+        assert _same(a, b), what
 
 
 @pytest.mark.parametrize("window,positions,ratios,prefix", CASES)
@@ -44,14 +50,14 @@ def test_ref_is_step_plan_build(window, positions, ratios, prefix):
         start = torch.tensor([p], device=DEV)
         plan = StepPlan.build(start, 1, window, None)
         win, ring, ropes, vis, lists = step_plan_ref(start, window, [(t.cos, t.sin) for t in tabs], ratios, prefix)
-        assert torch.equal(win, plan.win_idx) and torch.equal(ring, plan.ring_slots)
+        assert _same(win, plan.win_idx) and _same(ring, plan.ring_slots)
         for t, (c, s) in zip(tabs, ropes):
             want_c, want_s = plan.rope(t)
-            assert torch.equal(c, want_c) and torch.equal(s, want_s)
+            assert _same(c, want_c) and _same(s, want_s)
         for r, v in zip(ratios, vis):
-            assert torch.equal(v, plan.n_visible(r))
+            assert _same(v, plan.n_visible(r))
         for (r, n), lst in zip(prefix, lists):
-            assert torch.equal(lst, plan.prefix_idx(r, n))
+            assert _same(lst, plan.prefix_idx(r, n))
         # spot values: the window ends at p, its ring slot p % window; -1 past the positions seen so far
         assert int(win[0, min(p, window - 1)]) == p % window and int(ring[0]) == p % window
         assert int((win >= 0).sum()) == min(p + 1, window)
@@ -59,36 +65,55 @@ def test_ref_is_step_plan_build(window, positions, ratios, prefix):
 
 @both_tiers
 @pytest.mark.parametrize("window,positions,ratios,prefix", CASES)
-@pytest.mark.parametrize("ntab", [0, 1, 2])
-def test_fast_bitwise(window, positions, ratios, prefix, ntab):
+@pytest.mark.parametrize("ntab", [0, 1, 2, 4])
+def test_fast_bitwise(window, positions, ratios, prefix, ntab, monkeypatch):
     try:
-        from dsv4.ops.plan_triton import step_plan
+        from dsv4.ops import plan_triton
     except ImportError:
         pytest.skip("Triton is not installed")
+    _no_fallback(monkeypatch, plan_triton)
     tabs = [(t.cos, t.sin) for t in _tables(16, ntab)]
     for p in positions:
         start = torch.tensor([p], device=DEV)
-        _assert_same(step_plan(start, window, tabs, ratios, prefix), step_plan_ref(start, window, tabs, ratios, prefix),
-                     f"position {p}")
+        _assert_same(plan_triton.step_plan(start, window, tabs, ratios, prefix),
+                     step_plan_ref(start, window, tabs, ratios, prefix), f"position {p}")
+
+
+def _no_fallback(monkeypatch, plan_triton):
+    """The kernel must run: its fallback to the reference raises."""
+    def refuse(*a, **k):
+        raise AssertionError("step_plan fell back to the reference")
+    monkeypatch.setattr(plan_triton, "step_plan_ref", refuse)
 
 
 @both_tiers
-def test_fast_falls_back_beyond_its_slots():
+def test_fast_falls_back_beyond_its_slots(monkeypatch):
     from dsv4.ops import plan_triton
 
+    calls = []
+    monkeypatch.setattr(plan_triton, "step_plan_ref", lambda *a: calls.append(1) or step_plan_ref(*a))
     start = torch.tensor([77], device=DEV)
+    one = [(t.cos, t.sin) for t in _tables(4, 1)]
     many = [(t.cos, t.sin) for t in _tables(4, plan_triton.MAX_TABLES + 1)]
-    mixed = [(t.cos, t.sin) for t in _tables(4, 1) + _tables(8, 1)]  # two row widths: not one launch's
-    for tabs, ratios in ((many, [4]), (mixed, [4]), ([], list(range(2, 3 + plan_triton.MAX_LISTS)))):
-        _assert_same(plan_triton.step_plan(start, 8, tabs, ratios, []), step_plan_ref(start, 8, tabs, ratios, []),
+    mixed = one + [(t.cos, t.sin) for t in _tables(8, 1)]  # two row widths: not one launch's
+    f64 = [(c.double(), s.double()) for c, s in one]
+    strided = [(c[:, ::2], s[:, ::2]) for c, s in [(t.cos, t.sin) for t in _tables(8, 1)]]
+    lots = list(range(2, 3 + plan_triton.MAX_LISTS))
+    cases = [(start, many, [4], []), (start, mixed, [4], []), (start, f64, [4], []), (start, strided, [4], []),
+             (start, one, lots, []), (start, one, [4], [(r, 8) for r in lots]), (start.int(), one, [4], [])]
+    for st, tabs, ratios, prefix in cases:
+        _assert_same(plan_triton.step_plan(st, 8, tabs, ratios, prefix), step_plan_ref(st, 8, tabs, ratios, prefix),
                      "fallback")
+    assert len(calls) == len(cases)  # each took the reference
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_fast_in_a_graph_follows_the_position():
+def test_fast_in_a_graph_follows_the_position(monkeypatch):
+    from dsv4.ops import plan_triton
     from dsv4.ops.plan_triton import step_plan
 
+    _no_fallback(monkeypatch, plan_triton)
     tabs = [(t.cos, t.sin) for t in _tables(32, 2)]
     start = torch.tensor([5], device="cuda")
     args = (128, tabs, [4, 128], [(128, 64)])
@@ -102,3 +127,31 @@ def test_fast_in_a_graph_follows_the_position():
         g.replay()
         torch.cuda.synchronize()
         _assert_same(out, step_plan_ref(start, *args), f"replay at {p}")
+
+
+def test_later_layers_find_the_whole_plan(monkeypatch):
+    # StepPlan.decode files every tensor under the key the layers ask for: after the first layer no layer makes a
+    # plan tensor of its own (it would be a torch kernel in that layer's graph)
+    from dsv4.config import ModelConfig
+    from dsv4.graphs import DecodeRunner
+    from dsv4.model import layers
+    from dsv4.model.transformer import Transformer
+    from dsv4.testing import randomize_, tiny_config
+
+    raw = tiny_config([4, 128, 0], index_topk=3, window=16, max_pos=512)
+    model = randomize_(Transformer(ModelConfig.from_dict(raw), layers.Numerics("exact", torch.float32)), 3)
+    made = []
+    for name in ("rope", "n_visible", "prefix_idx"):
+        real = getattr(layers.StepPlan, name)
+
+        def spy(self, *a, _real=real, _name=name):
+            key = id(a[0]) if _name == "rope" else (a if _name == "prefix_idx" else a[0])
+            cache = self.ropes if _name == "rope" else self.visible
+            if key not in cache:
+                made.append(_name)
+            return _real(self, *a)
+        monkeypatch.setattr(layers.StepPlan, name, spy)
+    runner = DecodeRunner(model, model.new_state(64), use_graphs=False)
+    for t in torch.randint(0, raw["vocab_size"], (6,), generator=torch.Generator().manual_seed(2)).tolist():
+        runner.step(t)
+    assert made == []
