@@ -231,7 +231,7 @@ class Transformer(nn.Module):
             # attention waits for it (plan.ready()) before its first kernel that reads the plan
             tables = [self.rope(kind, dev) for kind in dict.fromkeys(lay.spec.rope for lay in self.layers)]
             kinds = dict.fromkeys((lay.spec.ratio, lay.spec.has_indexer) for lay in self.layers)
-            ratios = [r for r, _ in kinds if r > 0]
+            ratios = list(dict.fromkeys(r for r, _ in kinds if r > 0))
             # HCA: decode lists cover the whole entries buffer
             prefix = [(r, st.max_len // r) for r, has_indexer in kinds if r > 0 and not has_indexer]
             branch = SideBranch(dev)

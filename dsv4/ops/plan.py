@@ -7,8 +7,9 @@
 - n_vis: per compress ratio r, [1] int64: the compressed entries visible at start, (start + 1) // r;
 - prefixes: per (r, n), [1, n] int32: the HCA index list 0 .. n_vis - 1 ascending, then -1.
 The same tensors `dsv4.model.layers.StepPlan` builds for a one-token step (its `build`, `rope`, `n_visible`,
-`prefix_idx`); the fast path (dsv4/ops/plan_triton.py) writes them all in one launch instead of ~24 small ones. The position must
-be a row of every table (the reference raises otherwise; the engine bounds positions by the tables' max_pos).
+`prefix_idx`); the fast path (dsv4/ops/plan_triton.py) writes them all in one launch instead of ~24 small ones.
+The position must be a row of every table (the reference raises otherwise; the engine bounds positions by the
+tables' max_pos).
 """
 
 from __future__ import annotations

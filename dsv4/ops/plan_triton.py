@@ -28,8 +28,7 @@ def _plan_kernel(start_ptr, win_ptr, ring_ptr, window,
                  c0, s0, oc0, os0, c1, s1, oc1, os1, c2, s2, oc2, os2, c3, s3, oc3, os3, half,
                  r0, r1, r2, r3, v0, v1, v2, v3,
                  q0, q1, q2, q3, l0, l1, l2, l3, n0, n1, n2, n3,
-                 T: tl.constexpr, NV: tl.constexpr, NP: tl.constexpr, WP: tl.constexpr, HP: tl.constexpr,
-                 LB: tl.constexpr):
+                 T: tl.constexpr, NV: tl.constexpr, WP: tl.constexpr, HP: tl.constexpr, LB: tl.constexpr):
     pid = tl.program_id(0)
     pos = tl.load(start_ptr)  # int64
     if pid == 0:
@@ -111,6 +110,6 @@ def step_plan(start: torch.Tensor, window: int, tables: list, ratios: list, pref
         start, win_idx, ring, window, *[t for row in tab for t in row], half,
         *[r for r, _ in vis], *[v for _, v in vis],
         *[q for q, _, _ in lst], *[o for _, o, _ in lst], *[n for _, _, n in lst],
-        T=len(tables), NV=len(ratios), NP=len(prefix), WP=triton.next_power_of_2(window),
+        T=len(tables), NV=len(ratios), WP=triton.next_power_of_2(window),
         HP=triton.next_power_of_2(half), LB=_LIST_BLOCK, num_warps=4)
     return win_idx, ring, ropes, n_vis, lists
