@@ -201,13 +201,14 @@ def attn_cases(dev, randn):
     return cases
 
 
-INDEXER = [("indexer.1k", 1024), ("indexer.16k", 16384), ("indexer.128k", 131072)]
+INDEXER = [("indexer.1k", 1024), ("indexer.16k", 16384), ("indexer.128k", 131072), ("indexer.1m", 1048576)]
 
 
 def indexer_cases(dev, randn):
     """A CSA layer's Lightning Indexer at Flash shapes (64 heads x 128, k = 512 of context / 4 entries): `.scores` (bf16
     scores of M queries, reference numerics; bytes: q, w, the keys, the scores) and `.topk` (the top-512 list per query;
-    bytes: the scores, the list). M is the number of queries."""
+    bytes: the scores, the list), the latter with a `.triton` twin (the dispatching fast op runs the CUDA kernel within
+    its limits). M is the number of queries."""
     import torch
 
     H, d, k = 64, 128, 512
@@ -223,10 +224,16 @@ def indexer_cases(dev, randn):
         n_vis = torch.full((M,), n, dtype=torch.int64, device=dev)
         return (x, n_vis, min(k, n)), _nbytes(x) + M * k * 4
     cases = {}
+    try:
+        from dsv4.ops import indexer_triton
+    except ImportError:
+        indexer_triton = None
     for name, context in INDEXER:
         n = context // 4
         cases[name + ".scores"] = ("indexer_scores", lambda M, n=n: make_scores(M, n))
         cases[name + ".topk"] = ("topk_select", lambda M, n=n: make_topk(M, n))
+        if indexer_triton is not None:
+            cases[name + ".topk.triton"] = ("topk_select", lambda M, n=n: make_topk(M, n), indexer_triton.topk_select)
     return cases
 
 
@@ -479,7 +486,7 @@ def main(argv=None) -> int:
                     "mhc_post_pre_norm.triton", "head", "moe_experts",
                     "moe_experts.triton", "router"]
                  + [n + t for n, _, _ in ATTN for t in ("", ".triton")]
-                 + [n + t for n, _ in INDEXER for t in (".scores", ".topk")])
+                 + [n + t for n, _ in INDEXER for t in (".scores", ".topk", ".topk.triton")])
         print("\n".join(names))
         return 0
     if not torch.cuda.is_available():

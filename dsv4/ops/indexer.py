@@ -35,6 +35,23 @@ def topk_select_ref(scores: torch.Tensor, n_visible: torch.Tensor, k: int) -> to
     return torch.where(torch.isinf(val) & (val < 0), -1, idx).to(torch.int32)
 
 
+def make_fast_topk(triton_fast):
+    """The fast `topk_select`: the CUDA kernel (dsv4/ops/indexer_cuda.py, one launch, a cluster of CTAs per row) for
+    the calls it takes (k <= 1024, rows of up to 256K entries) where it is the faster (`topk_prefers`: long rows at
+    decode, very long rows always), the Triton kernels for everything else."""
+    if triton_fast is None:
+        return None
+    from dsv4.ops import indexer_cuda
+
+    def topk_select_fast(scores, n_visible, k):
+        if indexer_cuda.topk_applies(scores, n_visible, k) and indexer_cuda.topk_prefers(scores):
+            return indexer_cuda.topk_select(scores, n_visible, k)
+        return triton_fast(scores, n_visible, k)
+
+    topk_select_fast.__doc__ = triton_fast.__doc__
+    return topk_select_fast
+
+
 def register_ops(register) -> None:
     try:  # the Triton fast paths; without Triton the references run and ops.configure lists them so
         from dsv4.ops.indexer_triton import indexer_scores as fast_scores, topk_select as fast_topk
@@ -42,5 +59,6 @@ def register_ops(register) -> None:
         fast_scores = fast_topk = None
     register("indexer_scores", indexer_scores_ref, fast_scores, interpretable=True,
              doc="Lightning Indexer scores over compressed keys")
-    register("topk_select", topk_select_ref, fast_topk, interpretable=True,
-             doc="top-k entry indices per query, ties to the lower index")
+    register("topk_select", topk_select_ref, make_fast_topk(fast_topk), interpretable=True,
+             doc="top-k entry indices per query, ties to the lower index",
+             cuda="decode rows of 8K-256K entries, prefill rows of 64K-256K, k <= 1024: one launch, a cluster per row")

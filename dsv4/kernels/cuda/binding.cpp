@@ -13,6 +13,7 @@
 #include "mhc.h"
 #include "moe.h"
 #include "probe.h"
+#include "topk.h"
 
 namespace {
 
@@ -426,6 +427,42 @@ void sparse_attn_decode(const at::Tensor& q, const at::Tensor& kv_win, const at:
   DSV4_CHECK(e == cudaSuccess, "sparse_attn_decode launch failed: %s", cudaGetErrorString(e));
 }
 
+// top-k entry indices per query row (topk.cu): o [B, S, K] int32 from scores [B, S, N] and n_visible [S]
+void topk_select(const at::Tensor& x, const at::Tensor& nvis, at::Tensor& o, bool pdl) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 3 && x.stride(2) == 1,
+              "topk_select: scores must be CUDA [B, S, N] with a unit stride on N");
+  const auto st = x.scalar_type();
+  const int kind = st == at::kBFloat16 ? 0 : st == at::kHalf ? 1 : st == at::kFloat ? 2 : -1;
+  TORCH_CHECK(kind >= 0, "topk_select: scores must be bf16, f16 or fp32");
+  const int64_t B = x.size(0), S = x.size(1), N = x.size(2);
+  DSV4_CHECK(B * S >= 1 && B * S <= dsv4::kTopkMaxRows, "topk_select: 1 to %d rows (got %lld)", dsv4::kTopkMaxRows,
+             LL(B * S));
+  DSV4_CHECK(N >= 1 && N <= dsv4::kTopkMaxN, "topk_select: rows of 1 to %d entries (got %lld)", dsv4::kTopkMaxN, LL(N));
+  TORCH_CHECK(nvis.is_cuda() && nvis.device() == x.device() && nvis.dim() == 1 && nvis.size(0) == S &&
+              nvis.is_contiguous() && (nvis.scalar_type() == at::kLong || nvis.scalar_type() == at::kInt),
+              "topk_select: n_visible must be int64 or int32 [S] on the scores' device");
+  TORCH_CHECK(o.is_cuda() && o.device() == x.device() && o.scalar_type() == at::kInt && o.dim() == 3 &&
+              o.size(0) == B && o.size(1) == S && o.stride(2) == 1,
+              "topk_select: o must be int32 [B, S, K] with a unit stride on K");
+  const int64_t K = o.size(2);
+  DSV4_CHECK(K >= 1 && K <= N && K <= dsv4::kTopkMaxK, "topk_select: k must be 1..min(N, %d) (got %lld, N = %lld)",
+             dsv4::kTopkMaxK, LL(K), LL(N));
+  dsv4::TopkArgs a{};
+  a.x = x.data_ptr();
+  a.nvis = nvis.data_ptr();
+  a.o = o.data_ptr<int>();
+  a.sx_b = x.stride(0), a.sx_s = x.stride(1), a.so_b = o.stride(0), a.so_s = o.stride(1);
+  a.S = static_cast<int>(S);
+  a.N = static_cast<int>(N);
+  a.K = static_cast<int>(K);
+  a.kind = kind;
+  a.nvis_i64 = nvis.scalar_type() == at::kLong;
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaError_t e =
+      dsv4::topk_select_launch(a, static_cast<int>(B * S), pdl, c10::cuda::getCurrentCUDAStream().stream());
+  DSV4_CHECK(e == cudaSuccess, "topk_select launch failed: %s", cudaGetErrorString(e));
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stream_read", &stream_read, "bandwidth probe: one plain read of a buffer (probe.cu, benchmarks)");
   m.def("gemv", &gemv, "skinny GEMV (1-8 tokens) on fp8 block-scaled or bf16 weights (gemv.cu)");
@@ -437,5 +474,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sparse_attn_decode_smem", &dsv4::sparse_attn_decode_smem,
         "dynamic shared memory of one sparse_attn_decode CTA for a list of this many slots (-1: unsupported)");
   m.def("sparse_attn_decode", &sparse_attn_decode, "sparse MQA attention with a sink, 1-8 queries (attn.cu)");
+  m.def("topk_select", &topk_select, "top-k entry indices per query row, ties to the lower entry (topk.cu)");
+  m.def("topk_select_cluster", &dsv4::topk_select_cluster, "CTAs per row of topk_select for a row of N entries");
   m.def("moe_decode", &moe_decode, "decode MoE experts of one token: MXFP4 routed + FP8 shared (moe.cu)");
 }

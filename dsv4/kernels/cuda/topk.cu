@@ -1,0 +1,436 @@
+// Top-k of the Lightning Indexer's scores (topk_select_ref's contract, SPEC §2.5): per query row the k best of its
+// first nvis entries, in descending score order with ties to the lower entry, as int32 entry indices; -1 past the
+// number of entries above -inf. Bit for bit the reference's list.
+//
+// One thread-block cluster of C = 1, 2, 4 or 8 CTAs (512 threads each) per row; CTA r holds the r-th slice of the
+// row (SL entries, a multiple of 8) as order-preserving 32-bit keys in shared memory (bf16 / f16 scores in the high
+// 16 bits; -0.0 as +0.0, as torch compares them; -inf and invisible entries are never candidates). Then:
+// 1. radix select over the cluster, digits of 12 + 4 bits (16-bit scores) or 12 + 12 + 8 (fp32): every CTA builds a
+//    histogram of the digit over its keys still on the prefix (plain shared atomics: 12-bit digits spread even
+//    scores of one exponent over many bins); a 12-bit digit's bins are also summed 16 at a time. After a cluster
+//    barrier every CTA reads all C coarse histograms through distributed shared memory and finds the same coarse
+//    bin (where the count from the top reaches the number still to take), then, in one warp, the fine bin inside it
+//    from the C CTAs' 16 fine bins; and every CTA's count of keys above the digit. The result: the k-th largest key
+//    T, how many keys equal to T are taken (krem: the lowest entries), and per CTA how many keys lie above T and
+//    equal T;
+// 2. each CTA stores its kept keys as (key, ~entry) pairs into every CTA's list, at offsets those counts give (keys
+//    equal to T after all keys above it, in CTA order; within a CTA by entry when only some of them are kept);
+// 3. after a third cluster barrier, CTA r ranks its share of the list against the whole list (8 threads per pair):
+//    a pair's rank is the number of larger pairs, and the pairs are distinct, so o[rank] = entry is the reference's
+//    order (descending score, ties to the lower entry).
+// Three cluster barriers for 16-bit scores (four for fp32), no global scratch, no host sync (counts are read on the
+// device: graph-safe). Programmatic dependent launch: it waits for the scores' kernel before reading anything.
+// Every phase is a short dependent chain, so the kernel's cost is mostly fixed (~11 us for 32K entries, ~28 us for
+// 256K on an H200): it serves long decode rows; the Triton kernels are faster on short rows and prefill chunks
+// (dsv4/ops/indexer_cuda.py: topk_prefers).
+#include <cooperative_groups.h>
+
+#include "common.h"
+#include "topk.h"
+
+namespace cg = cooperative_groups;
+
+namespace dsv4 {
+namespace {
+
+using dev::griddep_launch_dependents;
+using dev::griddep_wait;
+
+constexpr int kThreads = 512, kWarps = kThreads / 32;
+constexpr unsigned kFull = 0xffffffffu;
+constexpr int kSliceMax = kTopkMaxN / 8;  // keys of one CTA (128 KB)
+constexpr int kRank = 8;                  // threads ranking one pair
+
+constexpr int kSub = 16;                 // fine bins per coarse bin of a 12-bit digit
+
+struct alignas(16) Small {
+  int hist[2][4096];   // this CTA's histogram of a digit (up to 12 bits), double-buffered across passes (the others
+  int coarse[2][256];  // read it after a barrier); its sums over 16 bins when the digit has 12 bits
+  int wsum[kWarps];    // scan / reduction partials
+  int part[9][8];      // [warp][CTA]: keys above the digit (warps 0..7: coarse bins, 8: fine bins)
+  int gt[8];           // per CTA of the cluster: keys above T
+  int eqc[8];          // per CTA: keys equal to T
+  int digit, krem, fdigit, fkrem, cgt, ceq;
+};
+
+__host__ __device__ constexpr int slice_len(int N, int C) { return ((N + C - 1) / C + 7) / 8 * 8; }
+
+__host__ __device__ constexpr int rounds(int SL) { return (SL + kThreads - 1) / kThreads; }
+
+// dynamic shared memory: Small, the list (K pairs), the slice's keys, the per-(round, warp) tie counts
+__host__ __device__ constexpr int smem_bytes(int SL, int K) {
+  return static_cast<int>(sizeof(Small)) + 8 * ((K + 1) / 2 * 2) + 4 * SL + 4 * rounds(SL) * kWarps;
+}
+
+// order-preserving keys (a larger score has a larger key); -0.0 as +0.0. 16-bit scores land in the high half.
+__device__ __forceinline__ uint32_t key16(uint32_t b) {
+  b &= 0xFFFFu;
+  if ((b & 0x7FFFu) == 0) b = 0;
+  return ((b & 0x8000u) ? (~b & 0xFFFFu) : (b | 0x8000u)) << 16;
+}
+__device__ __forceinline__ uint32_t key32(uint32_t b) {
+  if ((b & 0x7FFFFFFFu) == 0) b = 0;
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+// the key of -inf per score kind: only keys above it are candidates (an invisible entry's key is 0)
+__device__ __forceinline__ uint32_t neg_inf_key(int kind) {
+  return kind == 0 ? 0x007F0000u : kind == 1 ? 0x03FF0000u : 0x007FFFFFu;
+}
+
+// exclusive prefix sums of g[0, L) in place (each thread scans a segment of consecutive items); every thread
+// synchronizes inside, and the caller again before g is read back
+__device__ __forceinline__ void block_exscan(int* g, int L, int* red) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int per = (L + kThreads - 1) / kThreads, lo = tid * per;
+  int sum = 0;
+  for (int q = 0; q < per; ++q) sum += lo + q < L ? g[lo + q] : 0;
+  int incl = sum;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int v = __shfl_up_sync(kFull, incl, o);
+    if (lane >= o) incl += v;
+  }
+  if (lane == 31) red[warp] = incl;
+  __syncthreads();
+  int before = 0;
+  for (int w = 0; w < warp; ++w) before += red[w];
+  int run = before + incl - sum;
+  for (int q = 0; q < per; ++q) {
+    if (lo + q < L) {
+      const int t = g[lo + q];
+      g[lo + q] = run;
+      run += t;
+    }
+  }
+}
+
+// the slice's scores -> keys[0, SL): entries at or past nv (this slice's visible count) and keys at or below -inf's
+// become 0. 16-byte loads where the slice starts 16-byte aligned, else one element per load.
+__device__ __forceinline__ void load_keys(const TopkArgs& a, const unsigned char* xs, int nv, uint32_t* keys,
+                                          int SL) {
+  const int tid = threadIdx.x;
+  const uint32_t neg = neg_inf_key(a.kind);
+  const int esz = a.kind == 2 ? 4 : 2;
+  const int vec = 16 / esz;
+  // 16-byte chunks of visible entries only (none when the slice is not 16-byte aligned)
+  const int full = (reinterpret_cast<uintptr_t>(xs) & 15) == 0 ? nv / vec : 0;
+#pragma unroll 4
+  for (int c = tid; c < full; c += kThreads) {
+    const uint4 w = __ldg(reinterpret_cast<const uint4*>(xs) + c);
+    const uint32_t* p = &w.x;
+    uint4 k0, k1;
+    uint32_t* kk0 = &k0.x;
+    uint32_t* kk1 = &k1.x;
+    if (esz == 2) {
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        uint32_t lo = key16(p[q]), hi = key16(p[q] >> 16);
+        uint32_t* dst = q < 2 ? kk0 + 2 * q : kk1 + 2 * (q - 2);
+        dst[0] = lo > neg ? lo : 0u;
+        dst[1] = hi > neg ? hi : 0u;
+      }
+      reinterpret_cast<uint4*>(keys)[2 * c] = k0;
+      reinterpret_cast<uint4*>(keys)[2 * c + 1] = k1;
+    } else {
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const uint32_t k = key32(p[q]);
+        kk0[q] = k > neg ? k : 0u;
+      }
+      reinterpret_cast<uint4*>(keys)[c] = k0;
+    }
+  }
+  // the rest (the chunk with the last visible entry, those past it, an unaligned slice): one element at a time
+  for (int i = full * vec + tid; i < SL; i += kThreads) {
+    uint32_t k = 0;
+    if (i < nv) {
+      k = esz == 4 ? key32(reinterpret_cast<const uint32_t*>(xs)[i]) : key16(reinterpret_cast<const uint16_t*>(xs)[i]);
+      k = k > neg ? k : 0u;
+    }
+    keys[i] = k;
+  }
+}
+
+// pair = (key, ~entry): larger = better score, ties to the lower entry; distinct for distinct entries
+__device__ __forceinline__ unsigned long long make_pair(uint32_t key, int entry) {
+  return (static_cast<unsigned long long>(key) << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(entry));
+}
+
+template <int C>
+__global__ void __launch_bounds__(kThreads) topk_select_kernel(const TopkArgs a, const int SL) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  Small& sm = *reinterpret_cast<Small*>(smem);
+  unsigned long long* list = reinterpret_cast<unsigned long long*>(smem + sizeof(Small));
+  uint32_t* keys = reinterpret_cast<uint32_t*>(list + (a.K + 1) / 2 * 2);
+  int* ecnt = reinterpret_cast<int*>(keys + SL);
+
+  cg::cluster_group cluster = cg::this_cluster();
+  const int r = C > 1 ? static_cast<int>(cluster.block_rank()) : 0;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int row = blockIdx.y;
+  const long long b = row / a.S, s = row % a.S;
+  const int R = rounds(SL);
+  const uint32_t neg = neg_inf_key(a.kind);
+  auto sync_all = [&]() {
+    if constexpr (C > 1) cluster.sync();
+    else __syncthreads();
+  };
+
+  if (tid < 8) sm.gt[tid] = 0, sm.eqc[tid] = 0;
+  if (tid == 0) sm.cgt = 0, sm.ceq = 0;
+  griddep_wait();  // the scores (and the counts) come from earlier kernels
+  griddep_launch_dependents();
+
+  const long long nv_raw = a.nvis_i64 ? static_cast<const long long*>(a.nvis)[s] : static_cast<const int*>(a.nvis)[s];
+  const int nvis = static_cast<int>(nv_raw < 0 ? 0 : nv_raw > a.N ? a.N : nv_raw);
+  const int p0 = r * SL;  // the slice's first entry
+  const int nv = min(max(nvis - p0, 0), SL);
+  const int esz = a.kind == 2 ? 4 : 2;
+  const unsigned char* xs = static_cast<const unsigned char*>(a.x) + ((b * a.sx_b + s * a.sx_s) + p0) * esz;
+  load_keys(a, xs, nv, keys, SL);
+  __syncthreads();
+
+  // 1. radix select over the cluster: digits of 12 + 4 bits (16-bit scores) or 12 + 12 + 8 (fp32)
+  const int passes = a.kind == 2 ? 3 : 2;
+  uint32_t prefix = 0;
+  int krem = 0;
+  bool none = false;
+#pragma unroll 1
+  for (int pass = 0; pass < passes; ++pass) {
+    const int W = pass == 0 ? 12 : a.kind == 2 ? (pass == 1 ? 12 : 8) : 4;  // this digit's bits
+    const int shift = pass == 0 ? 20 : pass == 1 ? (a.kind == 2 ? 8 : 16) : 0;  // below it
+    const int NB = 1 << W, SUB = NB > 256 ? kSub : 1, NC = NB / SUB;  // bins; fine bins per coarse bin
+    int* hist = sm.hist[pass & 1];
+    int* coarse = sm.coarse[pass & 1];
+    for (int i = tid; i < NB; i += kThreads) hist[i] = 0;
+    __syncthreads();
+#pragma unroll 4
+    for (int rd = 0; rd < R; ++rd) {
+      const int p = rd * kThreads + tid;
+      const uint32_t k = p < SL ? keys[p] : 0u;
+      if (k > neg && (pass == 0 || ((k ^ prefix) >> (shift + W)) == 0)) atomicAdd(&hist[(k >> shift) & (NB - 1)], 1);
+    }
+    if (SUB > 1) {  // the coarse bins: sums of 16 consecutive fine bins (16 lanes each, conflict-free reads)
+      __syncthreads();
+#pragma unroll
+      for (int i = tid; i < 4096; i += kThreads) {
+        int c = hist[i];
+#pragma unroll
+        for (int o = 1; o < kSub; o <<= 1) c += __shfl_xor_sync(kFull, c, o);
+        if ((i & (kSub - 1)) == 0) coarse[i / kSub] = c;
+      }
+    }
+    const int* cbins = SUB > 1 ? coarse : hist;
+    sync_all();  // every CTA's histograms are complete
+    // the coarse digit: where the count from the top reaches krem (warps 0..7: one coarse bin per thread)
+    int h[C];
+    int v = 0;
+    if (tid < NC) {
+#pragma unroll
+      for (int rr = 0; rr < C; ++rr) {
+        h[rr] = C > 1 ? cluster.map_shared_rank(cbins, rr)[tid] : cbins[tid];
+        v += h[rr];
+      }
+    }
+    int suf = v;  // bins tid .. (warp's last) from the top
+    if (warp < 8) {
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_down_sync(kFull, suf, o);
+        if (lane + o < 32) suf += y;
+      }
+      if (lane == 0) sm.wsum[warp] = suf;
+    }
+    __syncthreads();
+    int total = 0;
+#pragma unroll
+    for (int w = 0; w < 8; ++w) {
+      total += sm.wsum[w];
+      if (w > warp) suf += sm.wsum[w];
+    }
+    if (pass == 0) {
+      krem = min(a.K, total);  // every candidate when fewer than k
+      if (krem == 0) {
+        none = true;
+        break;
+      }
+    }
+    if (tid < NC && suf >= krem && suf - v < krem) {  // exactly one bin
+      sm.digit = tid;
+      sm.krem = krem - (suf - v);
+    }
+    __syncthreads();
+    const int dc = sm.digit;
+    const bool last = pass == passes - 1;
+    if (warp < 8) {  // per CTA: keys above the coarse bin
+#pragma unroll
+      for (int rr = 0; rr < C; ++rr) {
+        int g = tid > dc && tid < NC ? h[rr] : 0;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) g += __shfl_xor_sync(kFull, g, o);
+        if (lane == 0) sm.part[warp][rr] = g;
+      }
+      if (SUB == 1 && last && tid == dc) {
+#pragma unroll
+        for (int rr = 0; rr < C; ++rr) sm.eqc[rr] = h[rr];
+      }
+    } else if (warp == 8 && SUB > 1) {  // the fine digit inside the coarse bin: lanes 0..15, one fine bin each
+      int hf[C];
+      int vf = 0;
+#pragma unroll
+      for (int rr = 0; rr < C; ++rr) {
+        hf[rr] = lane < kSub ? (C > 1 ? cluster.map_shared_rank(hist, rr)[dc * kSub + lane] : hist[dc * kSub + lane]) : 0;
+        vf += hf[rr];
+      }
+      int sf = vf;
+#pragma unroll
+      for (int o = 1; o < kSub; o <<= 1) {
+        const int y = __shfl_down_sync(kFull, sf, o);
+        if (lane + o < kSub) sf += y;
+      }
+      const int kc = sm.krem;
+      const unsigned hit = __ballot_sync(kFull, lane < kSub && sf >= kc && sf - vf < kc);
+      const int df = __ffs(hit) - 1;
+      const int kf = kc - (__shfl_sync(kFull, sf - vf, df));
+#pragma unroll
+      for (int rr = 0; rr < C; ++rr) {
+        int g = lane > df && lane < kSub ? hf[rr] : 0;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) g += __shfl_xor_sync(kFull, g, o);
+        if (lane == 0) sm.part[8][rr] = g;
+        if (last && lane == df) sm.eqc[rr] = hf[rr];
+      }
+      if (lane == 0) sm.fdigit = df, sm.fkrem = kf;
+    }
+    __syncthreads();
+    if (tid < C) {
+      int acc = 0;
+      for (int w = 0; w < (SUB > 1 ? 9 : 8); ++w) acc += sm.part[w][tid];
+      sm.gt[tid] += acc;
+    }
+    const int d = SUB > 1 ? dc * kSub + sm.fdigit : dc;
+    prefix |= static_cast<uint32_t>(d) << shift;
+    krem = SUB > 1 ? sm.fkrem : sm.krem;
+  }
+  int* out = a.o + b * a.so_b + s * a.so_s;
+  if (none) {  // nothing above -inf: all -1 (after the others are done reading this CTA's histogram)
+    sync_all();
+    for (int i = r * kThreads + tid; i < a.K; i += C * kThreads) out[i] = -1;
+    return;
+  }
+  __syncthreads();
+
+  // 2. the kept pairs into every CTA's list
+  const uint32_t T = prefix;
+  int gt_before = 0, gt_total = 0, eq_before = 0;
+#pragma unroll
+  for (int rr = 0; rr < C; ++rr) {
+    gt_total += sm.gt[rr];
+    if (rr < r) gt_before += sm.gt[rr], eq_before += sm.eqc[rr];
+  }
+  const int m = gt_total + krem;
+  const int eq_here = sm.eqc[r];
+  const int eq_take = min(max(krem - eq_before, 0), eq_here);
+  const bool by_entry = eq_take > 0 && eq_take < eq_here;  // only some of this CTA's ties: the lowest entries
+  auto put = [&](int slot, uint32_t k, int p) {
+    const unsigned long long v = make_pair(k, p0 + p);
+    if constexpr (C > 1) {
+#pragma unroll
+      for (int rr = 0; rr < C; ++rr) cluster.map_shared_rank(list, rr)[slot] = v;
+    } else {
+      list[slot] = v;
+    }
+  };
+  const unsigned lt = (1u << lane) - 1u;
+  if (by_entry) {  // a tie's rank among this CTA's ties in entry order: ballots per (round, warp), one scan
+#pragma unroll 1
+    for (int rd = 0; rd < R; ++rd) {
+      const int p = rd * kThreads + tid;
+      const unsigned bal = __ballot_sync(kFull, (p < SL ? keys[p] : 0u) == T);
+      if (lane == 0) ecnt[rd * kWarps + warp] = __popc(bal);
+    }
+    __syncthreads();
+    block_exscan(ecnt, R * kWarps, sm.wsum);
+    __syncthreads();
+  }
+#pragma unroll 1
+  for (int rd = 0; rd < R; ++rd) {
+    const int p = rd * kThreads + tid;
+    const uint32_t k = p < SL ? keys[p] : 0u;
+    const bool above = k > T, tie = k == T;
+    const unsigned ba = __ballot_sync(kFull, above);
+    if (ba) {  // warp-aggregated slots for the keys above T (any order: the ranks sort them)
+      int base = 0;
+      if (lane == 0) base = atomicAdd(&sm.cgt, __popc(ba));
+      base = __shfl_sync(kFull, base, 0);
+      if (above) put(gt_before + base + __popc(ba & lt), k, p);
+    }
+    const unsigned bt = __ballot_sync(kFull, tie);
+    if (bt && eq_take > 0) {
+      if (by_entry) {
+        const int rank = ecnt[rd * kWarps + warp] + __popc(bt & lt);
+        if (tie && rank < eq_take) put(gt_total + eq_before + rank, k, p);
+      } else {
+        int base = 0;
+        if (lane == 0) base = atomicAdd(&sm.ceq, __popc(bt));
+        base = __shfl_sync(kFull, base, 0);
+        if (tie) put(gt_total + eq_before + base + __popc(bt & lt), k, p);
+      }
+    }
+  }
+  sync_all();  // every CTA's pairs are in every list
+
+  // 3. rank this CTA's share of the list; -1 past m
+  const int E = (m + C - 1) / C, e0 = r * E, e1 = min(m, e0 + E);
+  const int g8 = tid % kRank;
+#pragma unroll 1
+  for (int base = e0; base < e1; base += kThreads / kRank) {
+    const int e = base + tid / kRank;
+    const unsigned long long v = e < e1 ? list[e] : ~0ull;
+    int c0 = 0, c1 = 0, c2 = 0, c3 = 0, j = g8;
+    for (; j + 3 * kRank < m; j += 4 * kRank) {
+      c0 += list[j] > v;
+      c1 += list[j + kRank] > v;
+      c2 += list[j + 2 * kRank] > v;
+      c3 += list[j + 3 * kRank] > v;
+    }
+    for (; j < m; j += kRank) c0 += list[j] > v;
+    int cnt = c0 + c1 + c2 + c3;
+#pragma unroll
+    for (int o = 1; o < kRank; o <<= 1) cnt += __shfl_xor_sync(kFull, cnt, o);
+    if (e < e1 && g8 == 0) out[cnt] = static_cast<int>(0xFFFFFFFFu - static_cast<uint32_t>(v));
+  }
+  for (int i = m + r * kThreads + tid; i < a.K; i += C * kThreads) out[i] = -1;
+}
+
+template <int C>
+cudaError_t launch(const TopkArgs& a, int rows, bool pdl, cudaStream_t stream) {
+  auto kernel = topk_select_kernel<C>;
+  static bool optin = false;  // the largest slice's shared memory, set once per instantiation
+  if (!optin) {
+    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               smem_bytes(kSliceMax, kTopkMaxK));
+    if (e != cudaSuccess) return e;
+    optin = true;
+  }
+  const int SL = slice_len(a.N, C);
+  return launch_ex(kernel, dim3(C, rows), dim3(kThreads), smem_bytes(SL, a.K), pdl, C, stream, a, SL);
+}
+
+}  // namespace
+
+int topk_select_cluster(int N) { return N <= 2048 ? 1 : N <= 4096 ? 2 : N <= 8192 ? 4 : 8; }
+
+cudaError_t topk_select_launch(const TopkArgs& a, int rows, bool pdl, cudaStream_t stream) {
+  if (a.N < 1 || a.N > kTopkMaxN || a.K < 1 || a.K > a.N || a.K > kTopkMaxK || rows < 1 || rows > kTopkMaxRows)
+    return cudaErrorInvalidValue;
+  switch (topk_select_cluster(a.N)) {
+    case 1: return launch<1>(a, rows, pdl, stream);
+    case 2: return launch<2>(a, rows, pdl, stream);
+    case 4: return launch<4>(a, rows, pdl, stream);
+    default: return launch<8>(a, rows, pdl, stream);
+  }
+}
+
+}  // namespace dsv4

@@ -1,0 +1,53 @@
+"""CUDA fast path of `topk_select` (dsv4/kernels/cuda/topk.cu): one launch, a thread-block cluster per query row.
+
+The row is split over 1-8 CTAs (by its length); each holds its slice as order-preserving keys in shared memory. A
+radix select over the whole cluster (histograms exchanged through distributed shared memory) finds the k-th largest
+key; each CTA stores its kept entries into every CTA's list, and each CTA ranks its share of the list: descending
+score, ties to the lower entry, -1 past the entries above -inf. topk_select_ref's list bit for bit. `topk_applies`
+says whether a call takes it (else the Triton kernels run: k > 1024, rows of more than 256K entries, no CUDA build).
+No host sync; the counts are read on the device (graph-safe).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4.kernels import cuda as cuda_kernels
+from dsv4.ops.linear_cuda import PDL, _capability, _index
+
+MAX_K = 1024  # entries of one list
+MAX_N = 256 * 1024  # entries of one row (1M tokens of context at ratio 4): 8 CTAs x 32K keys in shared memory
+MAX_ROWS = 65535  # rows (B * S): the grid's second dimension
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def topk_applies(scores: torch.Tensor, n_visible: torch.Tensor, k: int) -> bool:
+    """True when the CUDA kernel runs this call: CUDA sm_90+, bf16 / f16 / fp32 scores [B, S, N] with a unit stride on
+    N, 1 <= N <= 256K, 1 <= B * S <= 65535, int64 / int32 n_visible [S] contiguous on the same device,
+    1 <= k <= min(N, 1024), the module built."""
+    if not (scores.is_cuda and scores.dim() == 3 and scores.dtype in _DTYPES and scores.stride(2) == 1):
+        return False
+    B, S, N = scores.shape
+    if not (1 <= B * S <= MAX_ROWS and 1 <= k <= min(N, MAX_K) and N <= MAX_N):
+        return False
+    if not (n_visible.device == scores.device and n_visible.dtype in (torch.int64, torch.int32)
+            and n_visible.shape == (S,) and n_visible.is_contiguous()):
+        return False
+    return _capability(_index(scores))[0] >= 9 and cuda_kernels.load() is not None
+
+
+def topk_prefers(scores: torch.Tensor) -> bool:
+    """Where the CUDA kernel beats the Triton one (bench_ops, H200, docs/performance.md nineteenth pass): rows of more
+    than 8K entries for decode (up to 8 rows: 11.1 against 19.2 us at 32K entries), and every call on rows of more
+    than 64K entries (256 against 420 us for 128 rows of 256K). Shorter rows and prefill chunks at <= 128K context
+    stay on Triton, whose fixed cost is lower."""
+    B, S, N = scores.shape
+    return N > 65536 or (N > 8192 and B * S <= 8)
+
+
+def topk_select(scores: torch.Tensor, n_visible: torch.Tensor, k: int) -> torch.Tensor:
+    """topk_select_ref's contract for the calls `topk_applies` takes: idx [B, S, k] int32."""
+    B, S, _ = scores.shape
+    o = torch.empty(B, S, k, dtype=torch.int32, device=scores.device)
+    cuda_kernels.load().topk_select(scores, n_visible, o, PDL)
+    return o

@@ -1,0 +1,190 @@
+"""dsv4.ops.indexer_cuda (topk_select in one launch, dsv4/kernels/cuda/topk.cu) against topk_select_ref, bit for bit.
+
+GPU only. The list must be the reference's exactly: the same entries in the same order (descending score, ties to
+the lower entry), -1 past the entries above -inf. Inputs full of ties (exact zeros, -0.0, repeated values) at the
+Flash shapes (k = 512 of 256, 4K, 32K and 256K entries: 1K, 16K, 128K and 1M context; 1, 4 and 128 query rows;
+V4-Pro's k = 1024); every cluster size and the lengths at its edges; keys that differ only in the bits of the last
+radix pass (16- and 32-bit); ties at the k-th key spread over several CTAs of a cluster (some CTAs keep all of theirs,
+one only its lowest entries, the others none); all-equal rows; rows with fewer visible entries than k, none, or
+visible -inf scores; odd lengths and rows that are not 16-byte aligned (the one-element load path); f16 and int32
+counts. Also: CUDA-graph replay == eager and follows new counts, the registered fast op routing here, the limits that
+route to Triton, and the binding's refusals.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4.kernels import cuda as cuda_kernels
+from dsv4.ops.indexer import topk_select_ref
+from dsv4.testing import assert_bitwise_equal, capture_graph, graph_replay
+from test_indexer import tied_scores
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("built_sm90")]
+
+
+def _mod():
+    from dsv4.ops import indexer_cuda
+    return indexer_cuda
+
+
+def scores(S, N, seed, dtype=torch.bfloat16):
+    """tied_scores for any N (it needs rows of 13 entries or more)."""
+    return tied_scores(1, S, (N + 25) // 13 * 13, seed=seed, dtype=dtype, device="cuda")[..., :N]
+
+
+def check(x, n_vis, k):
+    ic = _mod()
+    assert ic.topk_applies(x, n_vis, k)
+    got = ic.topk_select(x, n_vis, k)
+    assert_bitwise_equal(got, topk_select_ref(x, n_vis, k), f"topk k={k} N={x.shape[-1]} {x.dtype}")
+    return got
+
+
+def counts(S, N, *short, dtype=torch.int64):
+    n = torch.full((S,), N, dtype=dtype)
+    for i, v in enumerate(short):
+        n[-1 - i] = v
+    return n.cuda()
+
+
+@pytest.mark.parametrize("S", [1, 4, 128])
+@pytest.mark.parametrize("N", [256, 4096, 32768, 262144])
+def test_flash_shapes(N, S):
+    if S == 128 and N == 262144:
+        pytest.skip("the reference's sort of 128 x 256K rows: covered by S = 4")
+    x = tied_scores(1, S, N, seed=N + S, dtype=torch.bfloat16, device="cuda")
+    n_vis = counts(S, N, 300) if S > 1 else counts(S, N - 5)  # a query with fewer visible entries than k
+    k = min(512, N)
+    check(x, n_vis, k)
+    check(x.float(), n_vis, k)
+
+
+@pytest.mark.parametrize("N", [1, 2, 9, 2047, 2048, 2049, 4096, 4097, 8192, 8193, 65535, 65536 * 4])
+def test_every_cluster_size_and_its_edges(N):
+    assert cuda_kernels.load().topk_select_cluster(N) == (1 if N <= 2048 else 2 if N <= 4096 else 4 if N <= 8192 else 8)
+    check(scores(2, N, N), counts(2, N, max(N - 3, 0)), min(N, 512))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_pro_k_1024_and_k_equal_n(dtype):
+    x = tied_scores(2, 3, 20001, seed=3, dtype=dtype, device="cuda")
+    check(x, counts(3, 20001, 1500, 1024, 17), 1024)
+    y = tied_scores(1, 2, 700, seed=4, dtype=dtype, device="cuda")
+    check(y, counts(2, 700, 699), 700)  # k = N: the whole row in order
+    check(y, counts(2, 700), 1)
+
+
+def test_last_pass_decides():
+    # 16-bit keys that share their high byte (the second pass decides), fp32 keys that differ only in the lowest
+    # byte (the fourth), each with ties at the k-th key that go to the lowest entries
+    g = torch.Generator().manual_seed(7)
+    base = torch.tensor(1.0, dtype=torch.bfloat16).view(torch.int16).item()
+    bits = base + torch.randint(0, 128, (1, 1, 5000), generator=g, dtype=torch.int16)
+    check(bits.view(torch.bfloat16).cuda(), counts(1, 5000), 512)
+    fbits = torch.tensor(3.0).view(torch.int32).item() + torch.randint(0, 256, (1, 2, 9000), generator=g,
+                                                                       dtype=torch.int32)
+    check(fbits.view(torch.float32).cuda(), counts(2, 9000, 8191), 512)
+
+
+def test_ties_at_the_kth_key_across_the_cluster():
+    # 32768 entries (8 CTAs of 4096): 400 positive scores, the rest exact zeros: the k-th key is 0, tied in every
+    # CTA; the first CTAs keep all of their zeros, one only its lowest, the last ones none
+    g = torch.Generator().manual_seed(14)
+    x = torch.zeros(1, 3, 32768)
+    for r in range(3):
+        x[0, r, torch.randperm(32768, generator=g)[:400]] = torch.rand(400, generator=g) + 0.5
+    x[0, 1, :20000] = 0.0  # the positive ones only in the later CTAs: the early CTAs' zeros are the kept ties
+    for dtype in (torch.bfloat16, torch.float32):
+        got = check(x.to(dtype).cuda(), counts(3, 32768, 20000), 512)
+    assert (got[0, 0, 400:] >= 0).all()
+    # one tie value spread over a CTA boundary: entries 4000..4199 (CTAs 0 and 1) share the k-th key
+    y = torch.full((1, 1, 32768), -1.0)
+    y[0, 0, :400] = 2.0
+    y[0, 0, 4000:4200] = 1.0
+    got = check(y.to(torch.bfloat16).cuda(), counts(1, 32768), 512)
+    assert got[0, 0, 400:].tolist() == list(range(4000, 4112))
+
+
+def test_all_equal_zero_and_infinite_rows():
+    z = torch.zeros(1, 3, 3000, device="cuda")
+    z[0, 1, ::2] = -0.0  # -0.0 == +0.0: still the first k entries in order
+    got = check(z, counts(3, 3000, 200), 512)
+    assert got[0, 0].tolist() == list(range(512)) and got[0, 2, 200:].eq(-1).all()
+    x = tied_scores(1, 4, 9000, seed=5, dtype=torch.bfloat16, device="cuda")
+    x[0, 0] = float("-inf")  # nothing above -inf: all -1
+    x[0, 1, 100:] = float("-inf")  # 100 candidates
+    x[0, 2, ::3] = float("inf")
+    got = check(x, counts(4, 9000, 0), 512)  # and a query that sees nothing
+    assert got[0, 0].eq(-1).all() and got[0, 3].eq(-1).all() and got[0, 1, 100:].eq(-1).all()
+
+
+def test_odd_lengths_unaligned_rows_f16_int32_counts():
+    for N in (1, 7, 1001, 4097, 33333):
+        x = scores(2, N + 1, N)[..., 1:]  # rows 2 bytes off
+        check(x, counts(2, N, max(N // 2, 1)), min(N, 512))
+    h = tied_scores(2, 2, 3333, seed=9, dtype=torch.float16, device="cuda")
+    check(h, counts(2, 3333, 40, dtype=torch.int32), 512)
+    f = tied_scores(1, 1, 40099, seed=10, dtype=torch.float32, device="cuda")[..., 3:]  # 12 bytes off
+    check(f, counts(1, 40000, dtype=torch.int32), 512)
+    big = torch.full((1, 1, 5000), 7.0, device="cuda")
+    big[..., ::7] = 1.0  # two values, each repeated thousands of times
+    check(big, counts(1, 5000, dtype=torch.int32), 512)
+    s = tied_scores(2, 3, 6000, seed=11, dtype=torch.bfloat16, device="cuda").transpose(0, 1)  # strided rows
+    check(s, counts(2, 6000, 77), 512)
+
+
+def test_graph_replay_follows_new_counts():
+    ic = _mod()
+    x = tied_scores(1, 1, 32768, seed=11, dtype=torch.bfloat16, device="cuda")
+    n_vis = counts(1, 30000)
+    want, out = graph_replay(lambda: ic.topk_select(x, n_vis, 512))
+    assert_bitwise_equal(out, want, "graph replay")
+    graph, out = capture_graph(lambda: ic.topk_select(x, n_vis, 512))
+    n_vis.fill_(1234)  # the next step's count, same buffer
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_bitwise_equal(out, topk_select_ref(x, n_vis, 512), "replay after a new count")
+
+
+def test_fast_op_routes_here_and_limits_go_to_triton():
+    from dsv4 import ops
+    from dsv4.ops import indexer_triton
+
+    ic = _mod()
+    x = tied_scores(1, 1, 32768, seed=12, dtype=torch.bfloat16, device="cuda")
+    n_vis = counts(1, 32000)
+    assert ic.topk_prefers(x)  # decode at 128K context
+    assert_bitwise_equal(ops.OPS["topk_select"].fast(x, n_vis, 512), ic.topk_select(x, n_vis, 512), "routed")
+    assert not ic.topk_prefers(x[..., :8192])  # decode at <= 32K context: Triton
+    assert not ic.topk_prefers(x.expand(1, 9, -1))  # a prefill chunk at 128K context: Triton
+    assert ic.topk_prefers(torch.empty(1, 128, 65537, device="cuda"))  # past 256K context: always CUDA
+    big = tied_scores(1, 1, 262145, seed=13, dtype=torch.bfloat16, device="cuda")
+    nv = counts(1, 262145)
+    assert not ic.topk_applies(big, nv, 512)  # more entries than 8 CTAs' shared memory holds
+    assert not ic.topk_applies(x, n_vis, 1025)  # k past the list's limit
+    assert not ic.topk_applies(x, n_vis.cpu(), 512)
+    assert not ic.topk_applies(x.cpu(), n_vis.cpu(), 512)
+    assert not ic.topk_applies(x.double(), n_vis, 512)
+    assert_bitwise_equal(ops.OPS["topk_select"].fast(big, nv, 512), indexer_triton.topk_select(big, nv, 512),
+                         "Triton beyond the limit")
+
+
+def test_binding_refuses_bad_calls():
+    mod = cuda_kernels.load()
+    x = torch.zeros(1, 2, 100, dtype=torch.bfloat16, device="cuda")
+    n_vis = counts(2, 100)
+    o = torch.empty(1, 2, 10, dtype=torch.int32, device="cuda")
+    with pytest.raises(RuntimeError, match=r"k must be 1\.\.min\(N, 1024\) \(got 101, N = 100\)"):
+        mod.topk_select(x, n_vis, torch.empty(1, 2, 101, dtype=torch.int32, device="cuda"), False)
+    with pytest.raises(RuntimeError, match=r"rows of 1 to 262144 entries \(got 262145\)"):
+        mod.topk_select(torch.zeros(1, 2, 262145, dtype=torch.bfloat16, device="cuda"), n_vis, o, False)
+    with pytest.raises(RuntimeError, match="scores must be bf16, f16 or fp32"):
+        mod.topk_select(x.double(), n_vis, o, False)
+    with pytest.raises(RuntimeError, match=r"n_visible must be int64 or int32 \[S\]"):
+        mod.topk_select(x, n_vis.float(), o, False)
+    with pytest.raises(RuntimeError, match=r"o must be int32 \[B, S, K\]"):
+        mod.topk_select(x, n_vis, o.long(), False)
+    with pytest.raises(RuntimeError, match="unit stride on N"):
+        mod.topk_select(x[..., ::2], n_vis, o, False)
