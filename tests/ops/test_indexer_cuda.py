@@ -188,3 +188,13 @@ def test_binding_refuses_bad_calls():
         mod.topk_select(x, n_vis, o.long(), False)
     with pytest.raises(RuntimeError, match="unit stride on N"):
         mod.topk_select(x[..., ::2], n_vis, o, False)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_second_device():
+    # the shared-memory opt-in is per device: a long row on the second GPU after one on the first
+    x = tied_scores(1, 1, 32768, seed=15, dtype=torch.bfloat16, device="cuda")
+    check(x, counts(1, 32768), 512)
+    with torch.cuda.device(1):
+        y = x.to("cuda:1")
+        check(y, torch.full((1,), 32768, dtype=torch.int64, device="cuda:1"), 512)

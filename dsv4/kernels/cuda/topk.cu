@@ -40,6 +40,7 @@ constexpr int kThreads = 512, kWarps = kThreads / 32;
 constexpr unsigned kFull = 0xffffffffu;
 constexpr int kSliceMax = kTopkMaxN / 8;  // keys of one CTA (128 KB)
 constexpr int kRank = 8;                  // threads ranking one pair
+constexpr int kMaxDevices = 64;           // devices whose shared-memory opt-in is remembered
 
 constexpr int kSub = 16;                 // fine bins per coarse bin of a 12-bit digit
 
@@ -407,12 +408,15 @@ __global__ void __launch_bounds__(kThreads) topk_select_kernel(const TopkArgs a,
 template <int C>
 cudaError_t launch(const TopkArgs& a, int rows, bool pdl, cudaStream_t stream) {
   auto kernel = topk_select_kernel<C>;
-  static bool optin = false;  // the largest slice's shared memory, set once per instantiation
-  if (!optin) {
-    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               smem_bytes(kSliceMax, kTopkMaxK));
+  // the largest slice's shared memory, set once per instantiation and device (the attribute is per device)
+  static bool optin[kMaxDevices] = {};
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  if (dev >= kMaxDevices || !optin[dev]) {
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes(kSliceMax, kTopkMaxK));
     if (e != cudaSuccess) return e;
-    optin = true;
+    if (dev < kMaxDevices) optin[dev] = true;
   }
   const int SL = slice_len(a.N, C);
   return launch_ex(kernel, dim3(C, rows), dim3(kThreads), smem_bytes(SL, a.K), pdl, C, stream, a, SL);
