@@ -3,7 +3,7 @@
 A query at position t sees the sliding window (the last `sliding_window` tokens including t) plus,
 in CSA/HCA layers, compressed entries w with (w+1)*ratio <= t+1 (CSA: only the indexer's top-k), given
 to `ops.sparse_attn` as index lists in DeepSeek's order (StepPlan). K = V, so the output's RoPE dims
-are rotated back by -t before the grouped low-rank projection (wo_a in the activation dtype without
+are rotated back by -t (inside ops.sparse_attn) before the grouped low-rank projection (wo_a in the activation dtype without
 activation quantization, then wo_b). One forward serves prefill chunks and the captured decode step.
 The compressors (and their fused projection of x) run in a `SideBranch` beside the query / kv path, and
 in CSA layers the indexer after them (once its queries exist); both join before the attention.
@@ -123,10 +123,10 @@ class Attention(nn.Module):
         idx_win = plan.win_idx.expand(B, -1, -1)
         if self.compressor is not None:  # the last branch's join covers the earlier one (one side stream)
             (idx_branch if self.indexer is not None else comp_branch).join()
-        o = ops.sparse_attn(q, kv_win, idx_win, kv_comp, idx_comp, self.attn_sink, self.head_dim ** -0.5)
+        # the output's RoPE dims rotated back to the query's position (V = K carries RoPE) in the same op
+        o = ops.sparse_attn(q, kv_win, idx_win, kv_comp, idx_comp, self.attn_sink, self.head_dim ** -0.5, cos, sin)
 
         if not plan.ring_first:
             st.window.index_copy_(1, plan.ring_slots, kv[:, S - plan.ring_slots.shape[0]:])
-        o = ops.rope(o, cos, sin, True)  # undo the RoPE of V = K at the query position
         z = ops.wo_a(o.flatten(2).unflatten(-1, (self.o_groups, -1)), *self.wo_a_grouped())
         return self.wo_b(z.flatten(2))

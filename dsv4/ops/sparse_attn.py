@@ -9,11 +9,17 @@ acc = acc e^(m - m_new) + P.V with P rounded to the KV dtype (bf16) and the prod
 At the end Z += exp(sink - m) (the sink adds to the denominator only; the max excludes it) and
 o = acc / Z in fp32, rounded once. A query with no valid slot gets an all-zero output. Block
 boundaries count the -1 slots too, so the layout of the list is part of the numerics.
+
+Since K = V carries RoPE on its last dims, the output's RoPE dims are rotated back to the query's own
+position: given (cos, sin) at the queries' positions, the rounded output goes through
+`rope_ref(o, cos, sin, inverse=True)` (fp32 math, rounded again), as the model did after the attention.
 """
 
 from __future__ import annotations
 
 import torch
+
+from dsv4.ops.rope import rope_ref
 
 BLOCK = 64  # slots per online-softmax step, as DeepSeek's kernel
 
@@ -26,9 +32,11 @@ def gather_rows(kv: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 
 def sparse_attn_ref(q: torch.Tensor, kv_win: torch.Tensor, idx_win: torch.Tensor, kv_comp: torch.Tensor | None,
-                    idx_comp: torch.Tensor | None, sink: torch.Tensor, scale: float) -> torch.Tensor:
+                    idx_comp: torch.Tensor | None, sink: torch.Tensor, scale: float, cos: torch.Tensor | None = None,
+                    sin: torch.Tensor | None = None) -> torch.Tensor:
     """q [B,S,H,D]; kv_win [B,Nw,D] + idx_win [B,S,Lw]; kv_comp [B,Nc,D] + idx_comp [B,S,Lc] (or None);
-    sink [H] fp32 -> o [B,S,H,D] in q.dtype."""
+    sink [H] fp32 -> o [B,S,H,D] in q.dtype; cos, sin [S, rd/2] fp32 (or None): the last rd dims of o
+    RoPE-inverted at the queries' positions."""
     keys, idx = [gather_rows(kv_win, idx_win)], [idx_win]
     if idx_comp is not None and idx_comp.shape[-1] > 0:
         keys.append(gather_rows(kv_comp, idx_comp))
@@ -53,7 +61,8 @@ def sparse_attn_ref(q: torch.Tensor, kv_win: torch.Tensor, idx_win: torch.Tensor
         acc = acc * alpha[..., None] + pv
         m, base = m_new, base_new
     z = z + torch.exp(sink.float() - base)
-    return (acc / z[..., None]).to(q.dtype)
+    o = (acc / z[..., None]).to(q.dtype)
+    return o if cos is None else rope_ref(o, cos, sin, True)
 
 
 def make_fast(triton_fast):
@@ -63,10 +72,10 @@ def make_fast(triton_fast):
         return None
     from dsv4.ops import sparse_attn_cuda
 
-    def sparse_attn_fast(q, kv_win, idx_win, kv_comp, idx_comp, sink, scale):
-        if sparse_attn_cuda.applies(q, kv_win, idx_win, kv_comp, idx_comp, sink):
-            return sparse_attn_cuda.sparse_attn(q, kv_win, idx_win, kv_comp, idx_comp, sink, scale)
-        return triton_fast(q, kv_win, idx_win, kv_comp, idx_comp, sink, scale)
+    def sparse_attn_fast(q, kv_win, idx_win, kv_comp, idx_comp, sink, scale, cos=None, sin=None):
+        if sparse_attn_cuda.applies(q, kv_win, idx_win, kv_comp, idx_comp, sink, cos, sin):
+            return sparse_attn_cuda.sparse_attn(q, kv_win, idx_win, kv_comp, idx_comp, sink, scale, cos, sin)
+        return triton_fast(q, kv_win, idx_win, kv_comp, idx_comp, sink, scale, cos, sin)
 
     sparse_attn_fast.__doc__ = triton_fast.__doc__
     return sparse_attn_fast
@@ -78,5 +87,5 @@ def register_ops(register) -> None:
     except ImportError:
         triton_fast = None
     register("sparse_attn", sparse_attn_ref, make_fast(triton_fast), interpretable=True,
-             doc="MQA over window + compressed index lists, 64-slot online softmax with sink",
+             doc="MQA over window + compressed index lists, 64-slot online softmax with sink, output RoPE-inverted",
              cuda="decode, 1-8 queries, D = 512, lists <= 1536 slots: one launch")

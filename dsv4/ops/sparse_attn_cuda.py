@@ -4,7 +4,8 @@ Decode queries (1-8 per call: a step, or MTP verification) with bf16 q / K = V r
 and int32 index lists of at most 1536 slots in all: a thread-block cluster per (query, 16 heads) spreads the list's
 64-slot blocks over up to 8 CTAs, each keeping its blocks' rows in shared memory; the running maximum of the
 sequential walk is exchanged across the cluster before the walk, so every p and bf16(p) is the reference's, and the
-CTAs' partials are combined in rank order. Same input, same bits; no host sync, graph-safe. `applies(...)` says
+CTAs' partials are combined in rank order; given RoPE tables, the output's RoPE dims are rotated back in the same
+epilogue. Same input, same bits; no host sync, graph-safe. `applies(...)` says
 whether a call takes this path (else the Triton kernels run: prefill chunks, longer lists, other shapes or dtypes,
 no CUDA build).
 """
@@ -40,10 +41,12 @@ def _list_ok(t: torch.Tensor, q: torch.Tensor) -> bool:
 
 
 def applies(q: torch.Tensor, kv_win: torch.Tensor, idx_win: torch.Tensor, kv_comp: torch.Tensor | None,
-            idx_comp: torch.Tensor | None, sink: torch.Tensor) -> bool:
+            idx_comp: torch.Tensor | None, sink: torch.Tensor, cos: torch.Tensor | None = None,
+            sin: torch.Tensor | None = None) -> bool:
     """True when the CUDA kernel runs this call: CUDA sm_90+ with the shared memory the list needs per CTA (up to
     ~220 KB), bf16 q [B, S, H, 512] with 1 <= B * S <= 8 and H a multiple of 16, bf16 rows with 16-byte aligned
-    rows, int32 lists of 1..1536 slots in all, an fp32 sink, the module built."""
+    rows, int32 lists of 1..1536 slots in all, an fp32 sink, no RoPE tables or fp32 [S, rd/2] ones (rd/2 even),
+    the module built."""
     if not (q.is_cuda and q.dtype == torch.bfloat16 and q.dim() == 4 and q.shape[3] == D and q.stride(3) == 1):
         return False
     B, S, H, _ = q.shape
@@ -64,6 +67,13 @@ def applies(q: torch.Tensor, kv_win: torch.Tensor, idx_win: torch.Tensor, kv_com
         return False
     if not (sink.dtype == torch.float32 and sink.device == q.device and sink.is_contiguous() and sink.numel() == H):
         return False
+    if (cos is None) != (sin is None):
+        return False
+    if cos is not None and not all(t.dtype == torch.float32 and t.device == q.device and t.dim() == 2
+                                   and tuple(t.shape) == (S, cos.shape[-1]) for t in (cos, sin)):
+        return False
+    if cos is not None and not (cos.shape[1] >= 2 and cos.shape[1] % 2 == 0 and 2 * cos.shape[1] <= D):
+        return False
     if _capability(_index(q))[0] < 9:
         return False
     mod = cuda_kernels.load()
@@ -72,10 +82,14 @@ def applies(q: torch.Tensor, kv_win: torch.Tensor, idx_win: torch.Tensor, kv_com
 
 
 def sparse_attn(q: torch.Tensor, kv_win: torch.Tensor, idx_win: torch.Tensor, kv_comp: torch.Tensor | None,
-                idx_comp: torch.Tensor | None, sink: torch.Tensor, scale: float) -> torch.Tensor:
-    """sparse_attn_ref's contract for the calls `applies` takes: o [B, S, H, 512] bf16."""
+                idx_comp: torch.Tensor | None, sink: torch.Tensor, scale: float, cos: torch.Tensor | None = None,
+                sin: torch.Tensor | None = None) -> torch.Tensor:
+    """sparse_attn_ref's contract for the calls `applies` takes: o [B, S, H, 512] bf16, its last 2 * rd/2 dims
+    RoPE-inverted when cos, sin [S, rd/2] are given."""
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if idx_comp is not None and idx_comp.shape[2] == 0:
         kv_comp = idx_comp = None
-    cuda_kernels.load().sparse_attn_decode(q, kv_win, idx_win, kv_comp, idx_comp, sink, o, float(scale), PDL)
+    if cos is not None:
+        cos, sin = cos.contiguous(), sin.contiguous()
+    cuda_kernels.load().sparse_attn_decode(q, kv_win, idx_win, kv_comp, idx_comp, sink, o, float(scale), PDL, cos, sin)
     return o

@@ -16,7 +16,8 @@ Owns two kernels and the shape -> config choice; touches nothing else.
 - `_combine_kernel`: m* = max m_i, Z = sum Z_i e^(m_i - m*), acc = sum acc_i e^(m_i - m*), then the sink and
   o = acc / Z. Against the sequential walk only the fp32 rescaling of the partials differs (one exp of a
   sum instead of a product of exps, ~1e-7 relative), which flips an output rounding very rarely.
-Both launches agree with the reference up to fp32 summation order (tolerance `op_attention`). No host sync;
+Given (cos, sin), the kernel that writes o rotates its last rd dims back (rope_ref's inverse, on the rounded
+output). Both launches agree with the reference up to fp32 summation order (tolerance `op_attention`). No host sync;
 indices and counts are read on the device; configs are fixed functions of the shapes (CUDA-graph safe).
 The wrapper validates, allocates the output (and the split scratch) and launches.
 """
@@ -67,6 +68,26 @@ def _to_kind(x, KIND: tl.constexpr):
         return x.to(tl.float16)
     else:
         return x
+
+
+@triton.jit
+def _out_tile(v, c0, cs_ptr, sn_ptr, s, BH: tl.constexpr, BC: tl.constexpr, D: tl.constexpr, RD2: tl.constexpr,
+              OUT_KIND: tl.constexpr):
+    """The output tile v [BH, BC] (fp32, columns c0 .. c0 + BC of D) in the output dtype: rounded, and where
+    RD2 > 0 the columns among the last 2 * RD2 RoPE-inverted as rope_ref(o, cos, sin, True) does, from
+    the rounded values in fp32 (pairs (2i, 2i + 1), angles of token s), rounded again."""
+    r = _round_kind(v, OUT_KIND)
+    if RD2 > 0:
+        a, b = tl.split(tl.reshape(r, [BH, BC // 2, 2]))
+        off = c0 + 2 * tl.arange(0, BC // 2) - (D - 2 * RD2)  # column of the pair's first value in the RoPE dims
+        inr = (off >= 0) & (off < 2 * RD2)
+        k = tl.where(inr, off // 2, 0)
+        cs = tl.load(cs_ptr + s * RD2 + k, mask=inr, other=1.0)[None, :]
+        sn = -tl.load(sn_ptr + s * RD2 + k, mask=inr, other=0.0)[None, :]
+        ra = tl.where(inr[None, :], _round_kind(a * cs - b * sn, OUT_KIND), a)
+        rb = tl.where(inr[None, :], _round_kind(a * sn + b * cs, OUT_KIND), b)
+        r = tl.reshape(tl.join(ra, rb), [BH, BC])
+    return _to_kind(r, OUT_KIND)
 
 
 @triton.jit
@@ -154,12 +175,12 @@ def _block(kw_ptr, rows, valid, q0, q1, q2, q3, m, z, acc0, acc1, acc2, acc3, of
 
 @triton.jit
 def _attn_kernel(q_ptr, kw_ptr, iw_ptr, kc_delta, ic_ptr, sink_ptr, o_ptr, bm_ptr, pm_ptr, pz_ptr, pa_ptr,
-                 scale, S, H, Lw, Lc, NBS, NSPLIT,
+                 cs_ptr, sn_ptr, scale, S, H, Lw, Lc, NBS, NSPLIT,
                  sq_b, sq_s, sq_h, skw_b, skw_n, siw_b, siw_s, siw_l, skc_b, skc_n, sic_b, sic_s, sic_l,
                  so_b, so_s, so_h,
                  D: tl.constexpr, DP: tl.constexpr, BH: tl.constexpr, BLOCK: tl.constexpr,
                  HAS_COMP: tl.constexpr, STAGE: tl.constexpr, NSP: tl.constexpr, KIND: tl.constexpr,
-                 OUT_KIND: tl.constexpr, OPT: tl.constexpr, ALIGNED: tl.constexpr):
+                 OUT_KIND: tl.constexpr, OPT: tl.constexpr, ALIGNED: tl.constexpr, RD2: tl.constexpr):
     """STAGE 0: the whole list, finished in place. Split lists: STAGE 1 writes each split's maximum logit
     per head (bm); STAGE 2 walks its split from the running maximum of the splits before it (the
     sequential walk's own m at that point, so every p and bf16(p) is the walk's) and writes (m, Z, acc)."""
@@ -236,16 +257,24 @@ def _attn_kernel(q_ptr, kw_ptr, iw_ptr, kc_delta, ic_ptr, sink_ptr, o_ptr, bm_pt
         sink = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0)
         zz = (z + tl.exp(sink - base))[:, None]
         o = o_ptr + b * so_b + s * so_s + offs_h[:, None].to(tl.int64) * so_h + offs_c[None, :]
-        tl.store(o, _to_kind(tl.math.div_rn(acc0, zz), OUT_KIND), mask=h2 & c_ok0[None, :])
-        tl.store(o + DC, _to_kind(tl.math.div_rn(acc1, zz), OUT_KIND), mask=h2 & c_ok1[None, :])
-        tl.store(o + 2 * DC, _to_kind(tl.math.div_rn(acc2, zz), OUT_KIND), mask=h2 & c_ok2[None, :])
-        tl.store(o + 3 * DC, _to_kind(tl.math.div_rn(acc3, zz), OUT_KIND), mask=h2 & c_ok3[None, :])
+        # each chunk that reaches into the RoPE dims (a compile-time test) rotates them back
+        RA: tl.constexpr = RD2 if DC > D - 2 * RD2 else 0
+        RB: tl.constexpr = RD2 if 2 * DC > D - 2 * RD2 else 0
+        RC: tl.constexpr = RD2 if 3 * DC > D - 2 * RD2 else 0
+        tl.store(o, _out_tile(tl.math.div_rn(acc0, zz), 0, cs_ptr, sn_ptr, s, BH, DC, D, RA, OUT_KIND),
+                 mask=h2 & c_ok0[None, :])
+        tl.store(o + DC, _out_tile(tl.math.div_rn(acc1, zz), DC, cs_ptr, sn_ptr, s, BH, DC, D, RB, OUT_KIND),
+                 mask=h2 & c_ok1[None, :])
+        tl.store(o + 2 * DC, _out_tile(tl.math.div_rn(acc2, zz), 2 * DC, cs_ptr, sn_ptr, s, BH, DC, D, RC, OUT_KIND),
+                 mask=h2 & c_ok2[None, :])
+        tl.store(o + 3 * DC, _out_tile(tl.math.div_rn(acc3, zz), 3 * DC, cs_ptr, sn_ptr, s, BH, DC, D, RD2, OUT_KIND),
+                 mask=h2 & c_ok3[None, :])
 
 
 @triton.jit
-def _combine_kernel(pm_ptr, pz_ptr, pa_ptr, sink_ptr, o_ptr, S, H, D, NSPLIT, so_b, so_s, so_h,
-                    BH: tl.constexpr, BD: tl.constexpr, NSP: tl.constexpr, ONE_SHOT: tl.constexpr,
-                    OUT_KIND: tl.constexpr):
+def _combine_kernel(pm_ptr, pz_ptr, pa_ptr, sink_ptr, o_ptr, cs_ptr, sn_ptr, S, H, NSPLIT, so_b, so_s, so_h,
+                    D: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, NSP: tl.constexpr, ONE_SHOT: tl.constexpr,
+                    OUT_KIND: tl.constexpr, RD2: tl.constexpr):
     """One program per (query, BH heads, BD output columns): m* = max m_i, Z = sum Z_i e^(m_i - m*),
     acc = sum acc_i e^(m_i - m*) over the splits, then the sink and o = acc / Z. ONE_SHOT: all splits'
     [BH, BD] partials in one [NSP, BH, BD] load (no serial chain of loads), else a loop over the splits."""
@@ -282,9 +311,9 @@ def _combine_kernel(pm_ptr, pz_ptr, pa_ptr, sink_ptr, o_ptr, S, H, D, NSPLIT, so
             acc = acc + a * wi[:, None]
     sink = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0)
     z = z + tl.exp(sink - base)
-    o = tl.math.div_rn(acc, z[:, None])
-    tl.store(o_ptr + b * so_b + s * so_s + offs_h[:, None].to(tl.int64) * so_h + offs_d[None, :],
-             _to_kind(o, OUT_KIND), mask=h_ok[:, None] & d_ok[None, :])
+    o = _out_tile(tl.math.div_rn(acc, z[:, None]), dg * BD, cs_ptr, sn_ptr, s, BH, BD, D, RD2, OUT_KIND)
+    tl.store(o_ptr + b * so_b + s * so_s + offs_h[:, None].to(tl.int64) * so_h + offs_d[None, :], o,
+             mask=h_ok[:, None] & d_ok[None, :])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -365,14 +394,27 @@ def _check(q, kv_win, idx_win, kv_comp, idx_comp, sink):
         raise ValueError(f"sparse_attn: tensors on several devices {sorted(map(str, devs))}")
 
 
+def _rope_tables(cos, sin, S: int, D: int, unused: torch.Tensor):
+    """(cos, sin, rd/2) for the kernels: fp32 contiguous [S, rd/2] tables, or (unused, unused, 0) without RoPE."""
+    if cos is None and sin is None:
+        return unused, unused, 0
+    if (cos is None or sin is None or cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] != S
+            or not 1 <= 2 * cos.shape[1] <= D or D % 2 or cos.device != unused.device):
+        raise ValueError(f"sparse_attn: cos / sin must both be [S={S}, rd/2] with rd <= D={D} (even) on "
+                         f"{unused.device}, got {None if cos is None else tuple(cos.shape)} / "
+                         f"{None if sin is None else tuple(sin.shape)}")
+    return cos.float().contiguous(), sin.float().contiguous(), cos.shape[1]
+
+
 def sparse_attn(q: torch.Tensor, kv_win: torch.Tensor, idx_win: torch.Tensor, kv_comp: torch.Tensor | None,
-                idx_comp: torch.Tensor | None, sink: torch.Tensor, scale: float, *, cfg: dict | None = None
-                ) -> torch.Tensor:
+                idx_comp: torch.Tensor | None, sink: torch.Tensor, scale: float, cos: torch.Tensor | None = None,
+                sin: torch.Tensor | None = None, *, cfg: dict | None = None) -> torch.Tensor:
     """q [B,S,H,D]; kv_win [B,Nw,D] + idx_win [B,S,Lw]; kv_comp [B,Nc,D] + idx_comp [B,S,Lc] (or None);
-    sink [H] fp32 -> o [B,S,H,D] in q.dtype (sparse_attn_ref's contract). `cfg` overrides the launch
-    config (benchmarks)."""
+    sink [H] fp32 -> o [B,S,H,D] in q.dtype, its last 2 * cos.shape[1] dims RoPE-inverted when cos, sin
+    [S, rd/2] are given (sparse_attn_ref's contract). `cfg` overrides the launch config (benchmarks)."""
     _check(q, kv_win, idx_win, kv_comp, idx_comp, sink)
     B, S, H, D = q.shape
+    cs, sn, rd2 = _rope_tables(cos, sin, S, D, sink)
     has_comp = idx_comp is not None and idx_comp.shape[-1] > 0
     Lw = idx_win.shape[-1]
     Lc = idx_comp.shape[-1] if has_comp else 0
@@ -401,14 +443,14 @@ def sparse_attn(q: torch.Tensor, kv_win: torch.Tensor, idx_win: torch.Tensor, kv
     # compressed rows are addressed from kv_win's base: their distance in elements (same dtype, so exact)
     kc_delta = (kc.data_ptr() - kv_win.data_ptr()) // kv_win.element_size()
     aligned = all(v % 16 == 0 for v in (kc_delta, kv_win.stride(0), kv_win.stride(1), kc.stride(0), kc.stride(1)))
-    args = (q, kv_win, idx_win, kc_delta, ic, sink, o, bm, pm, pz, pa,
+    args = (q, kv_win, idx_win, kc_delta, ic, sink, o, bm, pm, pz, pa, cs, sn,
             float(scale), S, H, Lw, Lc, bps, nsplit,
             q.stride(0), q.stride(1), q.stride(2), kv_win.stride(0), kv_win.stride(1),
             idx_win.stride(0), idx_win.stride(1), idx_win.stride(2),
             kc.stride(0), kc.stride(1), ic.stride(0), ic.stride(1), ic.stride(2),
             o.stride(0), o.stride(1), o.stride(2))
     meta = dict(D=D, DP=DP, BH=bh, BLOCK=BLOCK, HAS_COMP=has_comp, NSP=_pow2_ge(nsplit), KIND=kind, OUT_KIND=kind,
-                OPT=opt, ALIGNED=aligned, **opts)
+                OPT=opt, ALIGNED=aligned, RD2=rd2, **opts)
     for stage in ((1, 2) if split else (0,)):  # split: the splits' maxima first, then the seeded walks
         _attn_kernel[grid](*args, STAGE=stage, **meta)
     if split:
@@ -419,8 +461,8 @@ def sparse_attn(q: torch.Tensor, kv_win: torch.Tensor, idx_win: torch.Tensor, kv
         cbd = max(16, min(64, 8192 // (nsp * cbh))) if one_shot else 64
         copts = {"num_warps": 4} if q.is_cuda else {}
         _combine_kernel[(B * S, triton.cdiv(H, cbh), triton.cdiv(D, cbd))](
-            pm, pz, pa, sink, o, S, H, D, nsplit, o.stride(0), o.stride(1), o.stride(2),
-            BH=cbh, BD=cbd, NSP=nsp, ONE_SHOT=one_shot, OUT_KIND=kind, **copts)
+            pm, pz, pa, sink, o, cs, sn, S, H, nsplit, o.stride(0), o.stride(1), o.stride(2),
+            D=D, BH=cbh, BD=cbd, NSP=nsp, ONE_SHOT=one_shot, OUT_KIND=kind, RD2=rd2, **copts)
     return o
 
 

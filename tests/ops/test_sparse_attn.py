@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from dsv4.model.layers import StepPlan
+from dsv4.ops.rope import rope_ref
 from dsv4.ops.sparse_attn import sparse_attn_ref
 from dsv4.testing import assert_bitwise_equal, assert_close_rel
 
@@ -179,6 +180,46 @@ def test_fp32_and_noncontiguous(cpu_fast):
     assert_close_rel(o, sparse_attn_ref(*args), "op_fp32_out")
 
 
+def rope_tables(S: int, rd: int, seed: int, device="cpu"):
+    """cos, sin [S, rd/2] fp32 at random angles (the tokens' positions)."""
+    ang = torch.rand(S, rd // 2, generator=torch.Generator().manual_seed(seed)) * 6.3
+    return ang.cos().to(device), ang.sin().to(device)
+
+
+def check_rope_inverted(fast, args, cos, sin, *, cfg=None):
+    """The output with its RoPE dims rotated back in the kernel: the attention's rounded output (the same
+    launch without RoPE) through rope_ref's inverse, up to one rounding of the rotation (the kernel's
+    fp32 products may be fused); the other dims bit for bit; and against the reference."""
+    rd = 2 * cos.shape[1]
+    o = fast.sparse_attn(*args, cos, sin, cfg=cfg)
+    plain = fast.sparse_attn(*args, cfg=cfg)
+    assert_bitwise_equal(o[..., :-rd], plain[..., :-rd], "dims without RoPE")
+    want = rope_ref(plain, cos, sin, True)
+    assert_close_rel(o, want, "op_bf16_out" if o.dtype != torch.float32 else "op_fp32_out")
+    assert (o != want).float().mean().item() < 1e-2, "rotation rounded differently from rope_ref too often"
+    assert_close_rel(o, sparse_attn_ref(*args, cos, sin), "op_attention")
+    return o
+
+
+@cpu_tier
+def test_output_rope_inverted(cpu_fast):
+    # whole-list programs (chunks of the output: D = 96 has 4 chunks of 32 columns, rd = 48 reaches into two)
+    # and the split walk's combine (tiles of BD columns); prefill-like S = 5 (angles per token)
+    args = make_case(1, 5, 16, 96, 16, 40, 24, seed=21, csa=True)
+    cos, sin = rope_tables(5, 48, seed=1)
+    check_rope_inverted(cpu_fast, args, cos, sin, cfg=whole_list(cpu_fast, args))
+    check_rope_inverted(cpu_fast, args, cos, sin, cfg=dict(bh=16, warps=4, stages=1, nsplit=2, bps=1))
+    args = make_case(1, 1, 64, 512, 128, 2048, 512, seed=22, n_vis=512, csa=True)  # Flash decode, rd = 64
+    cos, sin = rope_tables(1, 64, seed=2)
+    assert cpu_fast.config(1, 1, 64, 640, args[0].device)["nsplit"] > 1
+    check_rope_inverted(cpu_fast, args, cos, sin)
+    check_rope_inverted(cpu_fast, args, cos, sin, cfg=whole_list(cpu_fast, args))
+    with pytest.raises(ValueError, match="cos / sin must both be"):
+        cpu_fast.sparse_attn(*args, cos, None)
+    with pytest.raises(ValueError, match="cos / sin must both be"):
+        cpu_fast.sparse_attn(*args, *rope_tables(2, 64, seed=3))
+
+
 @cpu_tier
 def test_bad_inputs_raise(cpu_fast):
     q, kvw, iw, kvc, ic, sink, scale = make_case(1, 1, 16, 64, 16, 20, 8, seed=0)
@@ -235,6 +276,18 @@ def test_gpu_prefill_chunk_128k(kind):
     args = flash_case(131072, kind, 128, seed=7)
     assert fast.config(1, 128, 64, 640, args[0].device)["nsplit"] == 1
     check(fast, args)
+
+
+@pytest.mark.parametrize("kind,S", [("csa", 1), ("hca", 4), ("swa", 2), ("csa", 128)])
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA or INTERP, reason="needs CUDA (not interpreted)")
+def test_gpu_output_rope_inverted(kind, S):
+    fast = _gpu_fast()
+    args = flash_case(16384, kind, S, seed=40 + S)
+    cos, sin = rope_tables(S, 64, seed=S, device="cuda")
+    check_rope_inverted(fast, args, cos, sin)
+    if S <= 8:
+        check_rope_inverted(fast, args, cos, sin, cfg=whole_list(fast, args))
 
 
 @pytest.mark.gpu

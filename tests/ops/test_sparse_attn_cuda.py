@@ -20,7 +20,8 @@ import torch
 from dsv4.kernels import cuda as cuda_kernels
 from dsv4.ops.sparse_attn import sparse_attn_ref
 from dsv4.testing import assert_bitwise_equal, assert_close_rel, graph_replay, tol
-from test_sparse_attn import flash_case, make_case, whole_list
+from dsv4.ops.rope import rope_ref
+from test_sparse_attn import flash_case, make_case, rope_tables, whole_list
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("built_sm90")]
 
@@ -158,22 +159,51 @@ def test_fast_op_routes_decode_here():
     assert_bitwise_equal(ops.OPS["sparse_attn"].fast(*pre), sparse_attn_triton.sparse_attn(*pre), "prefill chunk")
 
 
+@pytest.mark.parametrize("kind,S", [("csa", 1), ("hca", 4), ("swa", 2), ("csa", 8)])
+def test_output_rope_inverted_bitwise(kind, S):
+    # the epilogue's rotation is rope_ref's inverse on the rounded output, product by product (no fused
+    # multiply-add): bit for bit; the other dims are untouched. The registered fast op passes the tables here
+    from dsv4 import ops
+
+    sc = _mod()
+    args = flash_case(16384, kind, S, seed=60 + S)
+    cos, sin = rope_tables(S, 64, seed=S, device="cuda")
+    assert sc.applies(*args[:6], cos, sin)
+    plain = sc.sparse_attn(*args)
+    o = sc.sparse_attn(*args, cos, sin)
+    assert_bitwise_equal(o, rope_ref(plain, cos, sin, True), f"RoPE-inverted output {kind} S={S}")
+    assert_bitwise_equal(ops.OPS["sparse_attn"].fast(*args, cos, sin), o, "the fast op")
+    assert_close_rel(o, sparse_attn_ref(*args, cos, sin), "op_attention")
+    want, out = graph_replay(lambda: sc.sparse_attn(*args, cos, sin))
+    assert_bitwise_equal(out, want, "graph replay")
+    # other table shapes: the Triton kernels (rd / 2 odd), a refusal in the binding
+    assert not sc.applies(*args[:6], cos[:, :31], sin[:, :31])
+    assert not sc.applies(*args[:6], cos, None)
+    mod = cuda_kernels.load()
+    q, kvw, iw, kvc, ic, sink, scale = args
+    with pytest.raises(RuntimeError, match="cos and sin must be contiguous fp32"):
+        mod.sparse_attn_decode(q, kvw, iw, kvc, ic, sink, torch.empty_like(q), scale, False, cos[:, :31].contiguous(),
+                               sin[:, :31].contiguous())
+    with pytest.raises(RuntimeError, match="cos and sin come together"):
+        mod.sparse_attn_decode(q, kvw, iw, kvc, ic, sink, torch.empty_like(q), scale, False, cos, None)
+
+
 def test_binding_refuses_bad_calls():
     mod = cuda_kernels.load()
     q, kvw, iw, kvc, ic, sink, scale = make_case(1, 1, 64, 512, 128, 256, 256, seed=2, device="cuda")
     o = torch.empty_like(q)
     with pytest.raises(RuntimeError, match=r"H a multiple of 16 .*\(got H = 8, D = 512\)"):
-        mod.sparse_attn_decode(q[:, :, :8], kvw, iw, kvc, ic, sink[:8], o[:, :, :8], scale, False)
+        mod.sparse_attn_decode(q[:, :, :8], kvw, iw, kvc, ic, sink[:8], o[:, :, :8], scale, False, None, None)
     with pytest.raises(RuntimeError, match="idx_win must be int32"):
-        mod.sparse_attn_decode(q, kvw, iw.long(), kvc, ic, sink, o, scale, False)
+        mod.sparse_attn_decode(q, kvw, iw.long(), kvc, ic, sink, o, scale, False, None, None)
     with pytest.raises(RuntimeError, match="come together"):
-        mod.sparse_attn_decode(q, kvw, iw, kvc, None, sink, o, scale, False)
+        mod.sparse_attn_decode(q, kvw, iw, kvc, None, sink, o, scale, False, None, None)
     big = torch.zeros(1, 1, 1409, dtype=torch.int32, device="cuda")
     with pytest.raises(RuntimeError, match=r"lists of 1 to 1536 slots \(got 1537\)"):
-        mod.sparse_attn_decode(q, kvw, iw, kvc, big, sink, o, scale, False)
+        mod.sparse_attn_decode(q, kvw, iw, kvc, big, sink, o, scale, False, None, None)
     with pytest.raises(RuntimeError, match="kv_win must be bf16"):
-        mod.sparse_attn_decode(q, kvw[:, :, 1:], iw, kvc, ic, sink, o, scale, False)
+        mod.sparse_attn_decode(q, kvw[:, :, 1:], iw, kvc, ic, sink, o, scale, False, None, None)
     with pytest.raises(RuntimeError, match=r"sink must be fp32 \[H\]"):
-        mod.sparse_attn_decode(q, kvw, iw, kvc, ic, sink.double(), o, scale, False)
+        mod.sparse_attn_decode(q, kvw, iw, kvc, ic, sink.double(), o, scale, False, None, None)
     with pytest.raises(RuntimeError, match="idx_comp must be int32"):
-        mod.sparse_attn_decode(q, kvw, iw, kvc, ic[:, :0], sink, o, scale, False)
+        mod.sparse_attn_decode(q, kvw, iw, kvc, ic[:, :0], sink, o, scale, False, None, None)

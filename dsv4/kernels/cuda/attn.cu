@@ -15,7 +15,8 @@
 // 3. walks its blocks: Z and acc rescaled from its previous block's maximum, P through shared memory to the P.V mma;
 // 4. stores its (m, Z) into every CTA; after a second barrier, the CTAs combine their partials (acc read through
 //    distributed shared memory) in rank order, each for a slice of the output: m* = max m_r, Z = sum Z_r e^(m_r - m*) + e^(sink - m*), o = sum acc_r e^(m_r - m*) / Z
-//    (IEEE division), rounded to bf16 once.
+//    (IEEE division), rounded to bf16 once; with RoPE tables, the last 2 rd2 dims are then rotated back to the
+//    query's position as rope_ref(o, cos, sin, inverse) does (fp32 products and sums, unfused), rounded again.
 // Against the sequential walk only fp32 summation order differs: the dot products, the sums of p, and the rescaling
 // (one exp per CTA instead of a product of exps). Blocks without a valid slot are neither read nor computed. Same
 // input, same bits (no atomics); indices are read on the device (graph-safe).
@@ -100,6 +101,8 @@ __device__ __forceinline__ void cp_async_wait_n(int n) {
     default: cp_async_wait<3>(); break;
   }
 }
+
+__device__ __forceinline__ float bf16_round(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
 
 __device__ __forceinline__ uint32_t bf16x2(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
@@ -384,9 +387,21 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_decode_kernel(const A
     const int u = (k * C + r) * kThreads + tid;
     const int h = u / (kAttnD / 4), d = (u % (kAttnD / 4)) * 4;
     const float z = sm.zt[h];
+    float r[4] = {bf16_round(__fdiv_rn(v[k].x, z)), bf16_round(__fdiv_rn(v[k].y, z)),
+                  bf16_round(__fdiv_rn(v[k].z, z)), bf16_round(__fdiv_rn(v[k].w, z))};
+    if (d >= kAttnD - 2 * a.rd2) {  // two RoPE pairs (rd2 even: a float4 never straddles the boundary)
+      const int i = (d - (kAttnD - 2 * a.rd2)) >> 1;
+#pragma unroll
+      for (int p = 0; p < 2; ++p) {
+        const float c = a.cos[s * a.rd2 + i + p], sn = -a.sin[s * a.rd2 + i + p];  // the conjugate
+        const float x0 = r[2 * p], x1 = r[2 * p + 1];
+        r[2 * p] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, sn));
+        r[2 * p + 1] = __fadd_rn(__fmul_rn(x0, sn), __fmul_rn(x1, c));
+      }
+    }
     uint2 out;
-    out.x = bf16x2(__fdiv_rn(v[k].x, z), __fdiv_rn(v[k].y, z));
-    out.y = bf16x2(__fdiv_rn(v[k].z, z), __fdiv_rn(v[k].w, z));
+    out.x = bf16x2(r[0], r[1]);
+    out.y = bf16x2(r[2], r[3]);
     *reinterpret_cast<uint2*>(ob + h * a.so_h + d) = out;
   }
   cluster_arrive_relaxed();  // the other CTAs are done reading this one's partials

@@ -17,6 +17,11 @@ struct AttnArgs {
   long long siw_b, siw_s, siw_l, sic_b, sic_s, sic_l, so_b, so_s, so_h;
   int S, Lw, Lc;
   float scale;
+  // rd2 > 0: the output's last 2 * rd2 dims RoPE-inverted (rope_ref's inverse on the rounded output) with the
+  // angles of token s: cos / sin [S, rd2] fp32, contiguous; rd2 even, 2 * rd2 <= 512
+  const float* cos;
+  const float* sin;
+  int rd2;
 };
 
 constexpr int kAttnD = 512;         // K = V width

@@ -364,7 +364,8 @@ void mhc_boundary(const c10::optional<at::Tensor>& f, const at::Tensor& x, const
 // compressed rows + list (both or neither)
 void sparse_attn_decode(const at::Tensor& q, const at::Tensor& kv_win, const at::Tensor& idx_win,
                         const c10::optional<at::Tensor>& kv_comp, const c10::optional<at::Tensor>& idx_comp,
-                        const at::Tensor& sink, at::Tensor& o, double scale, bool pdl) {
+                        const at::Tensor& sink, at::Tensor& o, double scale, bool pdl,
+                        const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin) {
   const int64_t D = dsv4::kAttnD, HG = dsv4::kAttnHeads;
   TORCH_CHECK(q.is_cuda() && q.scalar_type() == at::kBFloat16 && q.dim() == 4, "sparse_attn_decode: q must be CUDA bf16 [B, S, H, D]");
   const int64_t B = q.size(0), S = q.size(1), H = q.size(2);
@@ -401,7 +402,24 @@ void sparse_attn_decode(const at::Tensor& q, const at::Tensor& kv_win, const at:
               "sparse_attn_decode: o must be bf16 [B, S, H, 512], 8-byte aligned rows");
   TORCH_CHECK(q.stride(2) % 8 == 0 && reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0 && q.stride(0) % 8 == 0 &&
               q.stride(1) % 8 == 0, "sparse_attn_decode: q rows must be 16-byte aligned");
+  TORCH_CHECK(cos.has_value() == sin.has_value(), "sparse_attn_decode: cos and sin come together");
+  int64_t rd2 = 0;
+  if (cos.has_value()) {
+    rd2 = cos->dim() == 2 ? cos->size(1) : 0;
+    auto table_ok = [&](const at::Tensor& t) {
+      return t.is_cuda() && t.device() == q.device() && t.scalar_type() == at::kFloat && t.is_contiguous() &&
+             t.dim() == 2 && t.size(0) == S && t.size(1) == rd2;
+    };
+    DSV4_CHECK(table_ok(*cos) && table_ok(*sin) && rd2 >= 2 && rd2 % 2 == 0 && 2 * rd2 <= D,
+               "sparse_attn_decode: cos and sin must be contiguous fp32 [S = %lld, rd2] on q's device, rd2 even and "
+               "2 * rd2 <= %lld", LL(S), LL(D));
+  }
   dsv4::AttnArgs a{};
+  if (rd2 > 0) {
+    a.cos = cos->data_ptr<float>();
+    a.sin = sin->data_ptr<float>();
+    a.rd2 = static_cast<int>(rd2);
+  }
   a.q = reinterpret_cast<const __nv_bfloat16*>(q.data_ptr());
   a.kw = reinterpret_cast<const __nv_bfloat16*>(kv_win.data_ptr());
   a.kc = kv_comp.has_value() ? reinterpret_cast<const __nv_bfloat16*>(kv_comp->data_ptr()) : a.kw;
