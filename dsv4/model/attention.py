@@ -112,13 +112,13 @@ class Attention(nn.Module):
         q = q.unflatten(-1, (self.n_heads, self.head_dim))
         plan.ready()  # the step plan's kernels (built beside this layer so far, see Transformer.layer_step)
         q = ops.q_norm_rope(q, cos, sin, self.eps, ref)
-        kv = ops.kv_norm_rope(kv, self.kv_norm.weight, self.eps, cos, sin, self.nope_dim if ref else 0)
-
+        nope = self.nope_dim if ref else 0
         # the ring keeps the last W raw kv vectors, slot = position mod W
-        if plan.ring_first:  # one token: into its slot first, the ring is the whole window
-            st.window.index_copy_(1, plan.ring_slots, kv)
+        if plan.ring_first:  # one token: normed straight into its slot, the ring is the whole window
+            ops.kv_norm_rope(kv, self.kv_norm.weight, self.eps, cos, sin, nope, st.window, plan.ring_slots)
             kv_win = st.window
         else:
+            kv = ops.kv_norm_rope(kv, self.kv_norm.weight, self.eps, cos, sin, nope)
             kv_win = torch.cat((st.window, kv), 1)  # ring (positions < start) ++ this chunk
         idx_win = plan.win_idx.expand(B, -1, -1)
         if self.compressor is not None:  # the last branch's join covers the earlier one (one side stream)

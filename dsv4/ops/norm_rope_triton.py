@@ -86,25 +86,30 @@ def _q_norm_rope_kernel(x_ptr, cs_ptr, sn_ptr, o_ptr, S, H, D, eps, RD2: tl.cons
 
 
 @triton.jit
-def _kv_norm_rope_kernel(x_ptr, w_ptr, cs_ptr, sn_ptr, o_ptr, S, D, eps, NOPE: tl.constexpr, RD2: tl.constexpr,
-                         BLOCK: tl.constexpr, QB: tl.constexpr, NB_P: tl.constexpr):
+def _kv_norm_rope_kernel(x_ptr, w_ptr, cs_ptr, sn_ptr, o_ptr, slot_ptr, so_b, so_n, S, D, eps, NOPE: tl.constexpr,
+                         RD2: tl.constexpr, BLOCK: tl.constexpr, QB: tl.constexpr, NB_P: tl.constexpr,
+                         RING: tl.constexpr):
     r = tl.program_id(0)
     t = r % S
+    if RING:  # row (b, t) goes to ring[b, slots[t]]
+        ob = (r // S).to(tl.int64) * so_b + tl.load(slot_ptr + t).to(tl.int64) * so_n
+    else:
+        ob = r.to(tl.int64) * D
     d = tl.arange(0, BLOCK)
     m = d < D
     x = tl.load(x_ptr + r * D + d, mask=m, other=0.0).to(tl.float32)
     x = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps))
     w = tl.load(w_ptr + d, mask=m, other=0.0).to(tl.float32)
     y = cast(w * x, o_ptr.dtype.element_ty)
-    tl.store(o_ptr + r * D + d, y, mask=m)
+    tl.store(o_ptr + ob + d, y, mask=m)
     tl.debug_barrier()
-    _apply_rope(o_ptr, o_ptr, cs_ptr, sn_ptr, t, D, RD2, False, r * D, r * D)
+    _apply_rope(o_ptr, o_ptr, cs_ptr, sn_ptr, t, D, RD2, False, ob, ob)
     if NOPE > 0:  # FP8-simulate the no-RoPE dims in blocks of QB (they are untouched by the RoPE)
         tl.debug_barrier()
         nb = tl.arange(0, NB_P)
         j = tl.arange(0, QB)
         bm = (nb < NOPE // QB)[:, None]
-        off = r * D + nb[:, None] * QB + j[None, :]
+        off = ob + nb[:, None] * QB + j[None, :]
         v = tl.load(o_ptr + off, mask=bm, other=0.0).to(tl.float32)
         amax = tl.max(tl.abs(v), axis=1)
         s, _ = ue8m0_scale(amax)
@@ -163,17 +168,31 @@ def q_norm_rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: floa
 
 
 def kv_norm_rope(kv: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                 fp8_nope: int) -> torch.Tensor:
-    """kv [B, S, D] -> kv_norm, RoPE, FP8 simulation of the first fp8_nope dims (0: none)."""
+                 fp8_nope: int, ring: torch.Tensor | None = None, slots: torch.Tensor | None = None
+                 ) -> torch.Tensor | None:
+    """kv [B, S, D] -> kv_norm, RoPE, FP8 simulation of the first fp8_nope dims (0: none); with ring
+    [B, W, D] (kv's dtype, unit stride on D) and slots [S] int: written to ring[:, slots] instead, None returned
+    (slots distinct and within W: the caller's plan)."""
     if kv.dim() != 3:
         raise ValueError(f"kv_norm_rope: kv must be [B, S, D], got {tuple(kv.shape)}")
-    _, S, D = kv.shape
+    B, S, D = kv.shape
     if fp8_nope % 64 or fp8_nope + 2 * cos.shape[-1] > D:
         raise ValueError(f"kv_norm_rope: fp8_nope={fp8_nope} must be a multiple of 64 within D={D} minus RoPE")
+    if (ring is None) != (slots is None):
+        raise ValueError("kv_norm_rope: ring and slots come together")
+    if ring is not None and (ring.dim() != 3 or ring.shape[0] != B or ring.shape[2] != D or ring.dtype != kv.dtype
+                             or ring.stride(2) != 1 or ring.device != kv.device or slots.shape != (S,)
+                             or slots.dtype not in (torch.int32, torch.int64) or slots.device != kv.device):
+        raise ValueError(f"kv_norm_rope: ring must be [B={B}, W, D={D}] {kv.dtype} with unit stride on D and slots "
+                         f"int [S={S}] on kv's device, got {ring.dtype}{tuple(ring.shape)} / "
+                         f"{slots.dtype}{tuple(slots.shape)}")
     cs, sn = _tables(cos, sin, S)
     kv = _rows(kv)
-    out = torch.empty_like(kv)
-    _kv_norm_rope_kernel[(kv.numel() // D,)](kv, w, cs, sn, out, S, D, eps, NOPE=fp8_nope, RD2=cs.shape[1],
+    out = torch.empty_like(kv) if ring is None else ring
+    so_b, so_n = (0, 0) if ring is None else (ring.stride(0), ring.stride(1))
+    _kv_norm_rope_kernel[(kv.numel() // D,)](kv, w, cs, sn, out, cs if slots is None else slots, so_b, so_n, S, D,
+                                             eps, NOPE=fp8_nope, RD2=cs.shape[1],
                                              BLOCK=triton.next_power_of_2(D), QB=64,
-                                             NB_P=triton.next_power_of_2(max(fp8_nope // 64, 1)))
-    return out
+                                             NB_P=triton.next_power_of_2(max(fp8_nope // 64, 1)),
+                                             RING=ring is not None)
+    return None if ring is not None else out

@@ -6,7 +6,8 @@ written back in x.dtype; inverse rotates by the conjugate.
 `q_norm_rope_ref`: the query's per-head unweighted RMS normalisation (statistic in the activation
 dtype under reference numerics, as DeepSeek computes it in bf16; fp32 otherwise) then RoPE.
 `kv_norm_rope_ref`: kv_norm (weighted RMSNorm), RoPE, then the FP8 simulation of the no-RoPE dims
-(block 64, power-of-two scales) under reference numerics.
+(block 64, power-of-two scales) under reference numerics; given a ring and slots, the rows go straight
+into the ring (the decode step's window insert) and nothing is returned.
 """
 
 from __future__ import annotations
@@ -40,12 +41,17 @@ def q_norm_rope_ref(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: 
 
 
 def kv_norm_rope_ref(kv: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                     fp8_nope: int) -> torch.Tensor:
-    """kv [B, S, D] -> kv_norm, RoPE, and (fp8_nope > 0) FP8-simulate the first fp8_nope dims."""
+                     fp8_nope: int, ring: torch.Tensor | None = None,
+                     slots: torch.Tensor | None = None) -> torch.Tensor | None:
+    """kv [B, S, D] -> kv_norm, RoPE, and (fp8_nope > 0) FP8-simulate the first fp8_nope dims. With ring
+    [B, W, D] (kv's dtype) and slots [S] int64: row s goes to ring[:, slots[s]] and None is returned."""
     kv = rope_ref(rmsnorm_ref(kv, w, eps), cos, sin)
     if fp8_nope:
         kv = torch.cat((act_quant_sim_ref(kv[..., :fp8_nope], 64), kv[..., fp8_nope:]), -1)
-    return kv
+    if ring is None:
+        return kv
+    ring.index_copy_(1, slots, kv)
+    return None
 
 
 def register_ops(register) -> None:

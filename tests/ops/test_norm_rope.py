@@ -53,3 +53,27 @@ def test_fast_matches_reference(B, S, H, D, rd, dtype):
     for fp8 in sorted({0, nope}):
         assert_close_rel(fast.kv_norm_rope(kv, w, 1e-6, cos, sin, fp8), kv_norm_rope_ref(kv, w, 1e-6, cos, sin, fp8),
                          name)
+
+
+@pytest.mark.parametrize("B,S,W", [(1, 1, 128), (2, 1, 16), (1, 3, 8)])
+def test_kv_norm_rope_into_the_ring(B, S, W):
+    # the decode step's window insert in the same launch: row s lands in ring[:, slots[s]], bit for bit the rows
+    # the op returns without a ring; every other slot untouched; the reference does the same through index_copy_
+    fast = _fast()
+    x, w, cos, sin = _case(B, S, 1, 128, 64, torch.bfloat16, seed=B + S + W)
+    kv = x[:, :, 0]
+    slots = torch.randperm(W, generator=torch.Generator().manual_seed(W))[:S].to(DEV)
+    for fp8 in (0, 64):
+        rows = fast.kv_norm_rope(kv, w, 1e-6, cos, sin, fp8)
+        ring = torch.randn(B, W, 128, generator=torch.Generator().manual_seed(fp8)).to(torch.bfloat16).to(DEV)
+        want = ring.clone()
+        want[:, slots] = rows
+        assert fast.kv_norm_rope(kv, w, 1e-6, cos, sin, fp8, ring, slots) is None
+        assert torch.equal(ring, want), "ring rows"
+        ref_ring = ring.clone()
+        assert kv_norm_rope_ref(kv, w, 1e-6, cos, sin, fp8, ref_ring, slots.long()) is None
+        assert_close_rel(ring, ref_ring, "op_bf16_out")
+    with pytest.raises(ValueError, match="ring and slots come together"):
+        fast.kv_norm_rope(kv, w, 1e-6, cos, sin, 0, ring, None)
+    with pytest.raises(ValueError, match="ring must be"):
+        fast.kv_norm_rope(kv, w, 1e-6, cos, sin, 0, ring.float(), slots)
