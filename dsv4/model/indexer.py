@@ -35,10 +35,10 @@ class Indexer(nn.Module):
         # (-1 = none). Its compressor (the keys) has run on this step's tokens already: the attention runs it,
         # with the other projections of x, beside the query path
         cos, sin = plan.rope(rope)
-        q = ops.rope(q.unflatten(-1, (self.n_heads, self.dim)), cos, sin, False)  # [B,S,H,d]
+        q = q.unflatten(-1, (self.n_heads, self.dim))  # [B,S,H,d]
         ref = self.numerics.reference
-        if ref:
-            q = ops.rotate_fp4(q)
+        # RoPE, then (reference numerics) the Hadamard rotation + FP4 simulation in the same op
+        q = ops.rotate_fp4(q, cos, sin) if ref else ops.rope(q, cos, sin, False)
         # head weights w * scale: under reference numerics the bf16 linear's output, scaled in bf16 (in the op)
         scores = ops.indexer_scores(q, w, st.entries[:, :n], ref, self.scale)
         return ops.topk_select(scores, n_vis, min(self.topk, n))

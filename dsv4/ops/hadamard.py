@@ -5,12 +5,14 @@ Owns `hadamard_ref`: Sylvester-ordered H_n (H_2n = [[H_n, H_n], [H_n, -H_n]]) ap
 log2(n) fp32 butterflies, then scaled by n^-0.5, so the transform is orthonormal and its own
 inverse. Used on the Lightning Indexer's q/k (n = 128) before FP4 simulation:
 `rotate_fp4_ref(x)` = fp4_act_quant_sim_ref(hadamard_ref(x), 32) (reference numerics' indexer queries; the
-compressor applies the same to the keys it emits). Fast path: dsv4/ops/hadamard_triton.py (one launch).
+compressor applies the same to the keys it emits); given (cos, sin), x's RoPE comes first in the same op
+(rope_ref, rounded to x's dtype: the indexer's queries). Fast path: dsv4/ops/hadamard_triton.py (one launch).
 """
 
 import torch
 
 from dsv4.ops.fp4_quant import fp4_act_quant_sim_ref
+from dsv4.ops.rope import rope_ref
 
 
 def hadamard_ref(x: torch.Tensor) -> torch.Tensor:
@@ -31,8 +33,11 @@ def hadamard_ref(x: torch.Tensor) -> torch.Tensor:
     return (y * n**-0.5).to(x.dtype)
 
 
-def rotate_fp4_ref(x: torch.Tensor) -> torch.Tensor:
-    """x [..., n] -> the FP4 simulation (1 x 32 blocks) of its Hadamard rotation, same shape and dtype."""
+def rotate_fp4_ref(x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., n] -> the FP4 simulation (1 x 32 blocks) of its Hadamard rotation, same shape and dtype; with cos,
+    sin [S, rd/2] (x [B, S, (H,) n]) x's last rd dims are RoPE-rotated first (rope_ref)."""
+    if cos is not None:
+        x = rope_ref(x, cos, sin)
     return fp4_act_quant_sim_ref(hadamard_ref(x), 32)
 
 

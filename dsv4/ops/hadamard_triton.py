@@ -61,12 +61,32 @@ def fp4_sim_rows(x, R: tl.constexpr, N: tl.constexpr):
 
 
 @triton.jit
-def _rotate_fp4_kernel(x_ptr, o_ptr, rows, scale, R: tl.constexpr, N: tl.constexpr, LOG2N: tl.constexpr):
+def _rope_rows(y, r, cs_ptr, sn_ptr, HS, S, R: tl.constexpr, N: tl.constexpr, RD2: tl.constexpr,
+               DT: tl.constexpr):
+    """Rows y [R, N] fp32 (row r of token (r // HS) % S): the last 2 * RD2 dims RoPE-rotated as rope_ref (pairs
+    (2i, 2i + 1), fp32), the tile rounded to DT."""
+    a, b = tl.split(tl.reshape(y, [R, N // 2, 2]))
+    k = tl.arange(0, N // 2)[None, :] - (N // 2 - RD2) + 0 * r  # [R, N / 2]: the pair's index in the RoPE dims
+    inr = k >= 0
+    t = (r // HS) % S
+    idx = t * RD2 + tl.where(k >= 0, k, 0)
+    c = tl.load(cs_ptr + idx, mask=inr, other=1.0)
+    s = tl.load(sn_ptr + idx, mask=inr, other=0.0)
+    ra = tl.where(inr, a * c - b * s, a)
+    rb = tl.where(inr, a * s + b * c, b)
+    return round_to(tl.reshape(tl.join(ra, rb), [R, N]), DT)
+
+
+@triton.jit
+def _rotate_fp4_kernel(x_ptr, o_ptr, cs_ptr, sn_ptr, rows, HS, S, scale, R: tl.constexpr, N: tl.constexpr,
+                       LOG2N: tl.constexpr, RD2: tl.constexpr):
     DT: tl.constexpr = o_ptr.dtype.element_ty
     r = tl.program_id(0) * R + tl.arange(0, R)[:, None]
     off = r.to(tl.int64) * N + tl.arange(0, N)[None, :]
     ok = r < rows
     y = tl.load(x_ptr + off, mask=ok, other=0.0).to(tl.float32)
+    if RD2 > 0:  # the queries' RoPE first (rope_ref's result, in x's dtype)
+        y = _rope_rows(y, r, cs_ptr, sn_ptr, HS, S, R, N, RD2, DT)
     y = round_to(hadamard_rows(y, R, N, LOG2N) * scale, DT)  # hadamard_ref's result, in x's dtype
     tl.store(o_ptr + off, cast(fp4_sim_rows(y, R, N), DT), mask=ok)
 
@@ -76,19 +96,33 @@ def hadamard_scale(n: int) -> float:
     return torch.tensor(n ** -0.5, dtype=torch.float32).item()
 
 
-def rotate_fp4(x: torch.Tensor) -> torch.Tensor:
-    """x [..., n] (n a power of two, 32..1024; bf16/fp16/fp32) -> fp4_act_quant_sim_ref(hadamard_ref(x), 32)."""
+def rotate_fp4(x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., n] (n a power of two, 32..1024; bf16/fp16/fp32) -> fp4_act_quant_sim_ref(hadamard_ref(x), 32); with
+    cos, sin [S, rd/2] (x [B, S, (H,) n]) rope_ref(x, cos, sin) first, in the same launch. Compiled without fused
+    multiply-adds (the RoPE's products and sums rounded one by one, as rope_ref's): bit for bit the reference."""
     n = x.shape[-1] if x.dim() else 0
     if n < 32 or n > 1024 or n & (n - 1):
         raise ValueError(f"rotate_fp4: last dim must be a power of two in [32, 1024], got shape {tuple(x.shape)}")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"rotate_fp4: dtype {x.dtype} not supported")
+    if (cos is None) != (sin is None):
+        raise ValueError("rotate_fp4: cos and sin come together")
+    S = HS = 1
+    if cos is not None:
+        if (x.dim() not in (3, 4) or cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] != x.shape[1]
+                or not 1 <= 2 * cos.shape[1] <= n):
+            raise ValueError(f"rotate_fp4: cos / sin must be [S, rd/2] with rd <= n for x [B, S, (H,) n], got "
+                             f"{tuple(cos.shape)} / {tuple(sin.shape)} for x {tuple(x.shape)}")
+        S, HS = x.shape[1], (x.shape[2] if x.dim() == 4 else 1)
+        cos, sin = cos.float().contiguous(), sin.float().contiguous()
     xc = x.contiguous()
     out = torch.empty_like(xc)
     rows = xc.numel() // n
     if rows == 0:
         return out
     R = max(1, min(16, 4096 // n))
-    _rotate_fp4_kernel[(triton.cdiv(rows, R),)](xc, out, rows, hadamard_scale(n), R=R, N=n,
-                                                  LOG2N=n.bit_length() - 1, num_warps=4)
+    _rotate_fp4_kernel[(triton.cdiv(rows, R),)](xc, out, xc if cos is None else cos, xc if sin is None else sin, rows,
+                                                  HS, S, hadamard_scale(n), R=R, N=n, LOG2N=n.bit_length() - 1,
+                                                  RD2=0 if cos is None else cos.shape[1], num_warps=4,
+                                                  **({"enable_fp_fusion": False} if x.is_cuda else {}))
     return out

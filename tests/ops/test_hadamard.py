@@ -108,3 +108,25 @@ def test_rotate_fp4_strided_input_and_errors():
     with pytest.raises(ValueError, match="dtype"):
         fast(torch.zeros(2, 64, dtype=torch.int32, device=DEV))
     assert fast(torch.zeros(0, 64, device=DEV)).shape == (0, 64)
+
+
+@both_tiers
+@pytest.mark.parametrize("shape,rd", [((1, 1, 64, 128), 64), ((2, 3, 4, 128), 64), ((1, 5, 64), 16),
+                                      ((1, 2, 3, 32), 32)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rotate_fp4_with_rope_first_equals_reference(shape, rd, dtype):
+    # the indexer's queries: RoPE (angles per token), rounded to x's dtype, then the rotation + FP4 in one launch;
+    # bit for bit rotate_fp4_ref(x, cos, sin) = fp4 sim of hadamard of rope_ref(x, cos, sin)
+    fast = _fast_rotate()
+    x = _rotate_inputs(shape, dtype, seed=shape[1] * 10 + rd)
+    ang = torch.rand(shape[1], rd // 2, generator=torch.Generator().manual_seed(rd)) * 6.3
+    cos, sin = ang.cos().to(DEV), ang.sin().to(DEV)
+    got, want = fast(x, cos, sin), rotate_fp4_ref(x, cos, sin)
+    bad = (got.view(torch.int16 if dtype != torch.float32 else torch.int32)
+           != want.view(torch.int16 if dtype != torch.float32 else torch.int32)).nonzero()
+    assert not bad.numel(), f"{len(bad)} values differ, first at {tuple(bad[0].tolist())}"
+    assert not torch.equal(got, fast(x)), "the RoPE was applied"
+    with pytest.raises(ValueError, match="cos and sin come together"):
+        fast(x, cos, None)
+    with pytest.raises(ValueError, match="cos / sin must be"):
+        fast(x, cos[:1].expand(shape[1] + 1, -1), sin[:1].expand(shape[1] + 1, -1))
