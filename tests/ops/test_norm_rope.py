@@ -12,6 +12,8 @@ from dsv4.testing import assert_close_rel
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
+# interpreted on the CPU (CI); on a GPU machine they run on CUDA and belong to the `-m gpu` suite
+pytestmark = [pytest.mark.gpu] if CUDA else []
 
 
 def _fast():
