@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from dsv4.ops.fp4_quant import FP4_AMAX_FLOOR, FP4_MAX_INV
-from dsv4.ops.triton_util import cast, round_to
+from dsv4.ops.triton_util import cast, rope_pairs, round_to
 
 _FP4_FLOOR = tl.constexpr(FP4_AMAX_FLOOR)
 _FP4_INV6 = tl.constexpr(FP4_MAX_INV)
@@ -66,14 +66,16 @@ def _rope_rows(y, r, cs_ptr, sn_ptr, HS, S, R: tl.constexpr, N: tl.constexpr, RD
     """Rows y [R, N] fp32 (row r of token (r // HS) % S): the last 2 * RD2 dims RoPE-rotated as rope_ref (pairs
     (2i, 2i + 1), fp32), the tile rounded to DT."""
     a, b = tl.split(tl.reshape(y, [R, N // 2, 2]))
-    k = tl.arange(0, N // 2)[None, :] - (N // 2 - RD2) + 0 * r  # [R, N / 2]: the pair's index in the RoPE dims
+    # [R, N / 2]: each pair's index in the RoPE dims (< 0: before them)
+    k = tl.broadcast_to(tl.arange(0, N // 2)[None, :] - (N // 2 - RD2), [R, N // 2])
     inr = k >= 0
     t = (r // HS) % S
     idx = t * RD2 + tl.where(k >= 0, k, 0)
     c = tl.load(cs_ptr + idx, mask=inr, other=1.0)
     s = tl.load(sn_ptr + idx, mask=inr, other=0.0)
-    ra = tl.where(inr, a * c - b * s, a)
-    rb = tl.where(inr, a * s + b * c, b)
+    ra, rb = rope_pairs(a, b, c, s, False)
+    ra = tl.where(inr, ra, a)
+    rb = tl.where(inr, rb, b)
     return round_to(tl.reshape(tl.join(ra, rb), [R, N]), DT)
 
 

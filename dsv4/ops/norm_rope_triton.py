@@ -16,14 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.ops.triton_util import cast, e4m3_round, round_to, ue8m0_scale
-
-
-@triton.jit
-def _rope_pairs(a, b, cos, sin, INVERSE: tl.constexpr):
-    if INVERSE:
-        sin = -sin
-    return a * cos - b * sin, a * sin + b * cos
+from dsv4.ops.triton_util import cast, e4m3_round, rope_pairs, round_to, ue8m0_scale
 
 
 @triton.jit
@@ -34,7 +27,7 @@ def _apply_rope(row_ptr, out_ptr, cs_ptr, sn_ptr, t, D, RD2: tl.constexpr, INVER
     b = tl.load(row_ptr + x_base + D - 2 * RD2 + 2 * i + 1).to(tl.float32)
     c = tl.load(cs_ptr + t * RD2 + i)
     s = tl.load(sn_ptr + t * RD2 + i)
-    ra, rb = _rope_pairs(a, b, c, s, INVERSE)
+    ra, rb = rope_pairs(a, b, c, s, INVERSE)
     tl.store(out_ptr + o_base + D - 2 * RD2 + 2 * i, cast(ra, out_ptr.dtype.element_ty))
     tl.store(out_ptr + o_base + D - 2 * RD2 + 2 * i + 1, cast(rb, out_ptr.dtype.element_ty))
 

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4.ops.triton_util import rope_pairs
+
 BLOCK = 64  # slots per online-softmax step, as sparse_attn_ref and DeepSeek's kernel
 
 _KV_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
@@ -83,9 +85,10 @@ def _out_tile(v, c0, cs_ptr, sn_ptr, s, BH: tl.constexpr, BC: tl.constexpr, D: t
         inr = (off >= 0) & (off < 2 * RD2)
         k = tl.where(inr, off // 2, 0)
         cs = tl.load(cs_ptr + s * RD2 + k, mask=inr, other=1.0)[None, :]
-        sn = -tl.load(sn_ptr + s * RD2 + k, mask=inr, other=0.0)[None, :]
-        ra = tl.where(inr[None, :], _round_kind(a * cs - b * sn, OUT_KIND), a)
-        rb = tl.where(inr[None, :], _round_kind(a * sn + b * cs, OUT_KIND), b)
+        sn = tl.load(sn_ptr + s * RD2 + k, mask=inr, other=0.0)[None, :]
+        ra, rb = rope_pairs(a, b, cs, sn, True)
+        ra = tl.where(inr[None, :], _round_kind(ra, OUT_KIND), a)
+        rb = tl.where(inr[None, :], _round_kind(rb, OUT_KIND), b)
         r = tl.reshape(tl.join(ra, rb), [BH, BC])
     return _to_kind(r, OUT_KIND)
 

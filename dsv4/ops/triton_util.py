@@ -4,6 +4,7 @@
 `round_to(v, dtype)`: fp32 v rounded to nearest-even in `dtype`, returned as fp32 (exact in dtype). For
 bf16 the rounding is written out on the bits: the Triton interpreter (CPU tests) truncates fp32 -> bf16,
 the GPU's cvt.rn rounds; written out, both give the same bits. `cast(v, dtype)`: the same, in dtype.
+`rope_pairs(a, b, cos, sin, inverse)`: one RoPE rotation of interleaved pairs in fp32, as rope_ref.
 `arrival_counters(device, name, n)`: the zeroed int32 counters of a "last program to arrive finishes" kernel.
 """
 
@@ -25,6 +26,14 @@ def round_to(v, DT: tl.constexpr):
         return tl.where(v == v, r, v)
     else:
         return v.to(DT).to(tl.float32)
+
+
+@triton.jit
+def rope_pairs(a, b, cos, sin, INVERSE: tl.constexpr):
+    """One RoPE rotation of the interleaved pairs (a, b) in fp32, as rope_ref (INVERSE: by the conjugate)."""
+    if INVERSE:
+        sin = -sin
+    return a * cos - b * sin, a * sin + b * cos
 
 
 @triton.jit
