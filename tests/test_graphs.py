@@ -42,6 +42,43 @@ def test_static_decode_step_equals_chunked_path():
     assert_close_rel(out, ref, "logits_incremental_fp32")
 
 
+def test_q_norm_quantizes_for_wq_b_in_prefill_chunks_only():
+    # reference numerics on FP8 weights: a prefill chunk's query norm hands wq_b its codes (rmsnorm_quant, one per
+    # layer), a decode step's does not (its GEMV quantizes the one row itself); the chunk's logits are those of the
+    # same forward with the norm and the quantization as two ops
+    from dsv4 import ops
+    from dsv4.ops.act_quant import quant_act_ref
+
+    raw = tiny_config([4, 0], index_topk=3, window=16, max_pos=64, hidden=256, head_dim=128, rope_dim=64,
+                      index_dim=64, n_mtp=0,
+                      quantization_config=dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic",
+                                               scale_fmt="ue8m0", weight_block_size=[128, 128]))
+    model = randomize_(Transformer(ModelConfig.from_dict(raw), Numerics("reference", torch.bfloat16)), 3).eval()
+    ids = torch.tensor([_ids(raw, 9, seed=1)])
+    seen, split = [], [False]
+
+    def hook(op, args, kwargs):
+        seen.append((op.name, args[0].shape[1]))
+        if op.name == "rmsnorm_quant" and split[0]:
+            return quant_act_ref(ops.OPS["rmsnorm"].ref(*args, **kwargs))
+        return op.impl(*args, **kwargs)
+
+    ops.set_hook(hook)
+    try:
+        with torch.no_grad():
+            st = model.new_state(10)
+            chunk = model(ids, st)
+            model(ids[:, :1], st)  # the decode step after it
+            split[0] = True
+            two = model(ids, model.new_state(10))
+    finally:
+        ops.set_hook(None)
+    quant = [s for name, s in seen if name == "rmsnorm_quant"]
+    assert quant == [9] * 4  # two layers, the chunk twice; none in the one-token step
+    assert ("rmsnorm", 1) in seen
+    assert torch.equal(chunk, two)
+
+
 def test_runner_rejects_bad_use():
     raw, model = _model([4], seed=1)
     with pytest.raises(ValueError, match="batch 1"):

@@ -113,6 +113,7 @@ CATEGORY = {
     "compressor": "attention", "q_norm_rope": "attention", "kv_norm_rope": "attention", "rope": "attention",
     "rotate_fp4": "attention",
     "mhc_pre": "mhc+norm", "mhc_post": "mhc+norm", "mhc_head": "mhc+norm", "rmsnorm": "mhc+norm",
+    "rmsnorm_quant": "mhc+norm",
     "mhc_pre_norm": "mhc+norm", "mhc_post_pre_norm": "mhc+norm",
 }
 PARTS = ("linear", "moe", "attention", "mhc+norm", "other")

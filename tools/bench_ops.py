@@ -76,6 +76,7 @@ def build_cases(dev):
     import torch
 
     from dsv4 import formats
+    from dsv4.ops.act_quant import quant_act_ref
     from dsv4.ops.linear import PreparedLinear, prepare_linear
 
     g = torch.Generator(device=dev).manual_seed(0)
@@ -99,8 +100,20 @@ def build_cases(dev):
             x = randn(M, K, dtype=idt)
             return (x, pw, pw.quantized, odt), pw.nbytes() + _nbytes(x) + M * N * odt.itemsize
         cases[name] = ("linear", make)
+        if name.startswith("wq_b"):  # as the model feeds them: qr with its codes from the q norm (rmsnorm_quant)
+            def make_xq(M, make=make):
+                (x, pw, aq, odt), moved = make(M)
+                qa = quant_act_ref(x)
+                return (qa, pw, aq, odt), moved - _nbytes(x) + _nbytes(qa.q, qa.s)
+            cases[name + ".xq"] = ("linear", make_xq)
         if fmt in ("fp8", "dense") and triton_linear is not None:  # the Triton kernels beside the CUDA ones, same run
             cases[name + ".triton"] = ("linear", make, triton_linear)
+
+    def make_q_norm(M):  # the query's low-rank norm (q_lora_rank 1024), with the codes for wq_b or without
+        x, w = randn(M, 1024, dtype=torch.bfloat16), (1 + randn(1024, std=0.1)).to(torch.bfloat16)
+        return (x, w, 1e-6), 2 * _nbytes(x) + _nbytes(w)
+    cases["q_norm"] = ("rmsnorm", make_q_norm)
+    cases["q_norm+quant"] = ("rmsnorm_quant", lambda M: ((a := make_q_norm(M))[0], a[1] + M * (1024 + 32)))
 
     def make_wo_a(M, fp8=True):
         # the FP8 weight (power-of-two scales) and its bf16 twin; the bytes of the weight the fast path reads: the FP8
@@ -443,7 +456,7 @@ def sweep_mm(args, cases, ms, bw, dev) -> int:
 
     results = []
     for name, (op_name, make, *over) in cases.items():
-        if op_name != "linear" or over:
+        if op_name != "linear" or over or name.endswith(".xq"):  # the Triton kernel quantizes x itself
             continue
         for M in (m for m in ms if m > 16):
             first, moved = make(M)
@@ -482,6 +495,7 @@ def main(argv=None) -> int:
 
     if args.list:
         names = ([c[0] for c in LINEARS] + [c[0] + ".triton" for c in LINEARS if c[1] in ("fp8", "dense")]
+                 + [c[0] + ".xq" for c in LINEARS if c[0].startswith("wq_b")] + ["q_norm", "q_norm+quant"]
                  + ["wo_a", "wo_a.bf16", "mhc_pre_norm", "mhc_post_pre_norm", "mhc_pre_norm.triton",
                     "mhc_post_pre_norm.triton", "head", "moe_experts",
                     "moe_experts.triton", "router"]

@@ -4,7 +4,12 @@ Owns the reference of the official `act_quant`: 1 x block_size blocks along the 
 amax floored at 1e-4, scale = 2^ceil(log2(amax * fp32(1/448))) taken from the fp32 exponent
 bits, q = e4m3_RNE(clamp(x/s, +-448)). Used before FP8/FP4 weight linears (block 128) and for
 the FP8 KV simulation (block 64 over the 448 no-RoPE dims). No fast path lives here yet.
+
+`QuantAct` carries an activation together with its 1x128 quantization, made by the op that wrote the activation
+(`rmsnorm_quant`), so that the linear after it starts from the codes instead of launching a quantization of its own.
 """
+
+from typing import NamedTuple
 
 import torch
 
@@ -54,6 +59,40 @@ def act_quant_sim_ref(
     q, s = act_quant_ref(x, block_size)
     y = q.float().unflatten(-1, s.shape[-1:] + (block_size,)) * s.unsqueeze(-1)
     return y.flatten(-2).to(out_dtype or x.dtype)
+
+
+class QuantAct(NamedTuple):
+    """An activation x [..., K] with its FP8 quantization q [M, K] e4m3, s [M, K / 128] fp32 (M = x.numel() // K):
+    exactly act_quant_ref(x, 128) in rows. A linear that quantizes its input (reference numerics, a quantized
+    weight) may read q and s; every other reader takes x. Shape, dtype and device are x's."""
+
+    x: torch.Tensor
+    q: torch.Tensor
+    s: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.x.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.x.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.x.device
+
+    def dequantize(self) -> torch.Tensor:
+        """q * s in fp32 with x's shape: act_quant_sim_ref(x, 128, out_dtype=torch.float32), bit for bit."""
+        y = self.q.float().unflatten(-1, (self.s.shape[-1], -1)) * self.s.unsqueeze(-1)
+        return y.flatten(-2).reshape(self.x.shape)
+
+
+def quant_act_ref(x: torch.Tensor) -> QuantAct:
+    """x [..., K] -> QuantAct(x, act_quant_ref(x, 128) in [M, K] / [M, K / 128] rows)."""
+    q, s = act_quant_ref(x, 128)
+    K = x.shape[-1]
+    return QuantAct(x, q.reshape(-1, K), s.reshape(-1, K // 128))
 
 
 def register_ops(register) -> None:

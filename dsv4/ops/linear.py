@@ -12,7 +12,8 @@ A leading expert dim [E, ...] on every tensor stacks the routed experts of a lay
 
 `linear_ref(x, w, act_quant, out_dtype)`: with act_quant the activation is FP8-simulated in 1x128
 blocks (the reference's W8A8 / W4A8), then an fp32 GEMM on the dequantized weight, rounded once
-to out_dtype. `wo_a_ref`: the grouped low-rank output projection in the activation dtype (DeepSeek
+to out_dtype. x may come as a `QuantAct` (an activation with its quantization, made by the op that wrote it):
+a linear that quantizes reads its codes (the same values as quantizing x), any other reads x. `wo_a_ref`: the grouped low-rank output projection in the activation dtype (DeepSeek
 runs wo_a dequantized to bf16, without activation quantization).
 """
 
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv4 import formats
-from dsv4.ops.act_quant import act_quant_sim_ref
+from dsv4.ops.act_quant import QuantAct, act_quant_sim_ref
 from dsv4.ops.fp4_quant import e2m1_lut
 
 ACT_BLOCK = 128
@@ -108,15 +109,15 @@ def pow2_scales(w: PreparedLinear) -> bool:
     return bool(((s > 0) & (torch.frexp(s).mantissa == 0.5)).all())
 
 
-def linear_ref(x: torch.Tensor, w: PreparedLinear, act_quant: bool, out_dtype: torch.dtype) -> torch.Tensor:
+def linear_ref(x: torch.Tensor | QuantAct, w: PreparedLinear, act_quant: bool, out_dtype: torch.dtype) -> torch.Tensor:
     """x [..., K] -> x @ W^T [..., N] in out_dtype (fp32 GEMM; FP8 1x128 activation simulation first
-    when act_quant and the weight is quantized)."""
+    when act_quant and the weight is quantized: from x's own codes when it is a QuantAct)."""
     if x.shape[-1] != w.k:
         raise ValueError(f"linear: x {tuple(x.shape)} does not match K={w.k}")
     if act_quant and w.quantized:
-        xf = act_quant_sim_ref(x, ACT_BLOCK, out_dtype=torch.float32)
+        xf = x.dequantize() if isinstance(x, QuantAct) else act_quant_sim_ref(x, ACT_BLOCK, out_dtype=torch.float32)
     else:
-        xf = x.float()
+        xf = (x.x if isinstance(x, QuantAct) else x).float()
     return (xf @ w.dequantize().T).to(out_dtype)
 
 
@@ -129,13 +130,18 @@ def wo_a_ref(o: torch.Tensor, w: torch.Tensor, w8: PreparedLinear | None = None)
 
 def make_fast_linear(linear_triton):
     """The fast `linear`: the CUDA GEMV (dsv4/ops/linear_cuda.py) for the decode shapes it takes, the CUDA GEMM for
-    prefill chunks on FP8 weights, the Triton kernels for everything else (FP4 and dense prefill, fp32 out, CPU under
+    prefill chunks on FP8 weights, the Triton kernels for everything else (the prefill kernels launch no quantization
+    of their own when x is a QuantAct) (FP4 and dense prefill, fp32 out, CPU under
     TRITON_INTERPRET=1, no CUDA build here)."""
     if linear_triton is None:
         return None
     from dsv4.ops import linear_cuda
 
-    def linear_fast(x: torch.Tensor, w: PreparedLinear, act_quant: bool, out_dtype: torch.dtype) -> torch.Tensor:
+    def linear_fast(x: torch.Tensor | QuantAct, w: PreparedLinear, act_quant: bool, out_dtype: torch.dtype
+                    ) -> torch.Tensor:
+        pre = None
+        if isinstance(x, QuantAct):  # the prefill kernels start from its codes; the decode ones quantize x in-kernel
+            pre, x = ((x.q, x.s) if act_quant else None), x.x
         if (x.is_cuda and isinstance(w, PreparedLinear) and x.dim() >= 1 and x.shape[-1] == w.k
                 and x.dtype in (torch.bfloat16, torch.float32) and out_dtype in (torch.bfloat16, torch.float32)):
             x2 = linear_triton._rows(x, w.k, "linear")
@@ -148,9 +154,9 @@ def make_fast_linear(linear_triton):
                     if gemv:
                         linear_cuda.gemv(x2, w, out.view(-1, w.n))
                     else:
-                        linear_cuda.gemm(x2, w, out.view(-1, w.n), splits)
+                        linear_cuda.gemm(x2, w, out.view(-1, w.n), splits, pre)
                 return out
-        return linear_triton.linear(x, w, act_quant, out_dtype)
+        return linear_triton.linear(x, w, act_quant, out_dtype, pre)
 
     linear_fast.__doc__ = linear_triton.linear.__doc__
     return linear_fast

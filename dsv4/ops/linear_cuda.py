@@ -284,8 +284,10 @@ def _counters(device: torch.device) -> torch.Tensor:
     return arrival_counters(device, "gemm split-K", 2 * MAX_SPLIT_TILES)
 
 
-def gemm(x2: torch.Tensor, w: PreparedLinear, out: torch.Tensor, splits: int | None = None) -> None:
-    """out[M, N] (bf16) = act_quant(x2) @ W^T on FP8 weights (see gemm_applies); `splits` overrides gemm_splits."""
+def gemm(x2: torch.Tensor, w: PreparedLinear, out: torch.Tensor, splits: int | None = None,
+         pre: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """out[M, N] (bf16) = act_quant(x2) @ W^T on FP8 weights (see gemm_applies); `splits` overrides gemm_splits.
+    `pre`: act_quant(x2) already made (e4m3 codes [M, K], fp32 scales [M, K / 128], contiguous), no launch for it."""
     mod = cuda_kernels.load()
     M, K = x2.shape
     sms = _sms(_index(x2))
@@ -302,7 +304,10 @@ def gemm(x2: torch.Tensor, w: PreparedLinear, out: torch.Tensor, splits: int | N
             raise ValueError(f"linear_cuda.gemm: split-K over {tiles} tiles (at most {MAX_SPLIT_TILES})")
         part = torch.empty(tiles * s * 128 * 128, dtype=torch.float32, device=x2.device)
         cnt = _counters(x2.device)
-    xq = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x2.device)
-    xs = torch.empty((M, K // 128), dtype=torch.float32, device=x2.device)
-    mod.act_quant(x2, xq, xs, PDL)
+    if pre is not None:
+        xq, xs = pre
+    else:
+        xq = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x2.device)
+        xs = torch.empty((M, K // 128), dtype=torch.float32, device=x2.device)
+        mod.act_quant(x2, xq, xs, PDL)
     mod.gemm_fp8(xq, xs, w.weight, w.scale, out, s, sms, part, cnt, PDL)

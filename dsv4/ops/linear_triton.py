@@ -481,11 +481,12 @@ def _use_gemv(fmt: str, M: int, N: int, G: int) -> bool:
 
 
 def _launch(x2, w: PreparedLinear, out, M, N, K, G, xs, ws, ss, os_, act_quant: bool, out_dtype, force=None,
-            mm_cfg=None):
+            mm_cfg=None, pre=None):
     """x2 / out: base tensors; xs = (group stride, row stride), ws = (group stride, row stride) of the weight,
     ss = same for the scale, os_ = (group stride, row stride) of the output. `force` (benchmarks only):
     "gemv" | "mm" | "mm16" (tensor-core kernel with 16-bit operands, no FP8 dot); `mm_cfg` (benchmarks and
-    tests) overrides _mm_config's tile choice."""
+    tests) overrides _mm_config's tile choice. `pre`: x2's quantization already made (e4m3 [M, K], fp32
+    [M, K / 128], contiguous), read where the kernel would launch _act_quant_kernel first."""
     fmt = w.fmt
     aq = bool(act_quant and w.quantized)
     s = w.scale if w.scale is not None else w.weight
@@ -514,7 +515,10 @@ def _launch(x2, w: PreparedLinear, out, M, N, K, G, xs, ws, ss, os_, act_quant: 
     # one launch); otherwise once up front (per weight tile it would be redone N / BN times)
     xq_first = aq and not (swap and (M <= 4 or BN == 128))
     xq = xsc = x2
-    if xq_first:  # scratch: e4m3 q [M, K] and s [M, K/128]
+    if xq_first and pre is not None:
+        xq, xsc = pre
+        wargs = wargs[:7] + (0, K) + wargs[9:]
+    elif xq_first:  # scratch: e4m3 q [M, K] and s [M, K/128]
         xq = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x2.device)
         xsc = torch.empty((M, K // ACT_BLOCK), dtype=torch.float32, device=x2.device)
         BMQ, R = min(16, triton.next_power_of_2(M)), min(4, triton.next_power_of_2(K // ACT_BLOCK))
@@ -601,8 +605,10 @@ def _rows(x: torch.Tensor, k: int, name: str) -> torch.Tensor:
 # public ops
 
 
-def linear(x: torch.Tensor, w: PreparedLinear, act_quant: bool, out_dtype: torch.dtype) -> torch.Tensor:
-    """x [..., K] (bf16/fp32) -> x @ W^T [..., N] in out_dtype; `linear_ref` numerics (module doc)."""
+def linear(x: torch.Tensor, w: PreparedLinear, act_quant: bool, out_dtype: torch.dtype,
+           pre: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """x [..., K] (bf16/fp32) -> x @ W^T [..., N] in out_dtype; `linear_ref` numerics (module doc). `pre`:
+    act_quant_ref(x) as [M, K] e4m3 / [M, K / 128] fp32 rows (a QuantAct's), read instead of quantizing again."""
     if out_dtype not in _OUT_DTYPES:
         raise ValueError(f"linear: out_dtype {out_dtype}, expected one of {_OUT_DTYPES}")
     _check_weight(w, x.device)
@@ -618,7 +624,8 @@ def linear(x: torch.Tensor, w: PreparedLinear, act_quant: bool, out_dtype: torch
     if k == 0:
         return out.zero_()
     sn = w.scale.stride(0) if w.scale is not None else 0
-    _launch(x2, w, out, m, n, k, 1, (0, x2.stride(0)), (0, w.weight.stride(0)), (0, sn), (0, n), aq, out_dtype)
+    _launch(x2, w, out, m, n, k, 1, (0, x2.stride(0)), (0, w.weight.stride(0)), (0, sn), (0, n), aq, out_dtype,
+            pre=pre if aq else None)
     return out
 
 

@@ -2,6 +2,7 @@
 
 One launch each, one program per row (a token, or a token's head), the whole row in registers:
 - rmsnorm: fp32 statistic and scaling by the fp32-upcast weight, one rounding to the input dtype;
+  rmsnorm_quant adds the rounded row's FP8 1x128 quantization (codes + power-of-two scales, act_quant_ref's);
 - rope: interleaved pairs on the last 2*len(cos) dims, fp32 math, inverse = conjugate;
 - q_norm_rope: the per-head unweighted RMS (under reference numerics the statistic is taken in the
   activation dtype with its roundings: bf16(q*q), bf16(mean), bf16(rsqrt(bf16(mean + eps))), bf16(q*r)),
@@ -16,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4.ops.act_quant import QuantAct
 from dsv4.ops.triton_util import cast, e4m3_round, rope_pairs, round_to, ue8m0_scale
 
 
@@ -33,14 +35,27 @@ def _apply_rope(row_ptr, out_ptr, cs_ptr, sn_ptr, t, D, RD2: tl.constexpr, INVER
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, w_ptr, o_ptr, D, eps, BLOCK: tl.constexpr):
+def _rmsnorm_kernel(x_ptr, w_ptr, o_ptr, q_ptr, s_ptr, D, eps, BLOCK: tl.constexpr, QUANT: tl.constexpr):
     r = tl.program_id(0)
     d = tl.arange(0, BLOCK)
     m = d < D
     x = tl.load(x_ptr + r * D + d, mask=m, other=0.0).to(tl.float32)
     x = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps))
     w = tl.load(w_ptr + d, mask=m, other=0.0).to(tl.float32)
-    tl.store(o_ptr + r * D + d, cast(w * x, o_ptr.dtype.element_ty), mask=m)
+    y = cast(w * x, o_ptr.dtype.element_ty)
+    tl.store(o_ptr + r * D + d, y, mask=m)
+    if QUANT:  # the rounded row's FP8 1x128 quantization (act_quant_ref): D % 128 == 0, padding blocks not stored
+        NB: tl.constexpr = BLOCK // 128
+        v = tl.reshape(y.to(tl.float32), (NB, 128))
+        sc, inv = ue8m0_scale(tl.max(tl.abs(v), axis=1))
+        u = tl.clamp(v * inv[:, None], -448.0, 448.0)  # v * (1/s) = v / s exactly (a power of two)
+        q = e4m3_round(u)
+        q = tl.where(q == 0.0, u * 0.0, q)  # a negative value that rounds to zero is -0, as the cast gives
+        b = tl.arange(0, NB)
+        bm = b < D // 128
+        j = b[:, None] * 128 + tl.arange(0, 128)[None, :]
+        tl.store(q_ptr + r * D + j, q.to(q_ptr.dtype.element_ty), mask=bm[:, None])
+        tl.store(s_ptr + r * (D // 128) + b, sc, mask=bm)
 
 
 @triton.jit
@@ -121,8 +136,24 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         raise ValueError(f"rmsnorm: weight {tuple(w.shape)} does not match D={D}")
     x = _rows(x)
     out = torch.empty_like(x)
-    _rmsnorm_kernel[(x.numel() // D,)](x, w, out, D, eps, BLOCK=triton.next_power_of_2(D))
+    _rmsnorm_kernel[(x.numel() // D,)](x, w, out, out, out, D, eps, BLOCK=triton.next_power_of_2(D), QUANT=False)
     return out
+
+
+def rmsnorm_quant(x: torch.Tensor, w: torch.Tensor, eps: float) -> QuantAct:
+    """x [..., D] (D % 128 == 0), w [D] -> QuantAct(rmsnorm of x in x.dtype, its e4m3 codes [M, D], fp32 scales
+    [M, D / 128]), one launch."""
+    D = x.shape[-1]
+    if w.shape != (D,) or D % 128:
+        raise ValueError(f"rmsnorm_quant: weight {tuple(w.shape)} must be [D] with D={D} a multiple of 128")
+    x = _rows(x)
+    M = x.numel() // D
+    out = torch.empty_like(x)
+    q = torch.empty((M, D), dtype=torch.float8_e4m3fn, device=x.device)
+    sc = torch.empty((M, D // 128), dtype=torch.float32, device=x.device)
+    if M:
+        _rmsnorm_kernel[(M,)](x, w, out, q, sc, D, eps, BLOCK=triton.next_power_of_2(D), QUANT=True)
+    return QuantAct(out, q, sc)
 
 
 def _tables(cos: torch.Tensor, sin: torch.Tensor, T: int):

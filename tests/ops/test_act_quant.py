@@ -121,3 +121,15 @@ def test_bad_block_raises():
         act_quant_ref(torch.zeros(3, 200))
     with pytest.raises(ValueError, match="block_size=64"):
         act_quant_sim_ref(torch.zeros(100), 64)
+
+
+def test_quant_act_rows_and_dequantize():
+    # QuantAct: x as it is, codes and scales in [M, K] / [M, K / 128] rows; dequantize = act_quant_sim_ref bit for bit
+    from dsv4.ops.act_quant import QuantAct, quant_act_ref
+
+    x = (torch.randn(2, 3, 256, generator=torch.Generator().manual_seed(5)) * 10).bfloat16()
+    qa = quant_act_ref(x)
+    assert isinstance(qa, QuantAct) and qa.x is x and qa.shape == x.shape and qa.dtype == x.dtype
+    q, s = act_quant_ref(x)
+    assert torch.equal(qa.q.view(torch.uint8), q.reshape(6, 256).view(torch.uint8)) and torch.equal(qa.s, s.reshape(6, 2))
+    assert torch.equal(qa.dequantize(), act_quant_sim_ref(x, 128, out_dtype=torch.float32))

@@ -223,6 +223,29 @@ def test_linear_dense_fp32(m):
 
 
 @cpu_tier
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4", "bf16"])
+def test_linear_quantized_activation_input(fmt):
+    # a QuantAct (the activation with its own quantization, as rmsnorm_quant hands it on) gives the linear exactly
+    # what x gives it, quantized or not, in the reference and in the fast op (which reads x or the codes)
+    from dsv4.ops.act_quant import quant_act_ref
+    from dsv4.ops.linear import make_fast_linear
+
+    fast = make_fast_linear(lt)
+    w = _weight(fmt, 136, 384, seed=41)
+    for shape in ((1, 384), (2, 17, 384)):
+        x = _x(shape, torch.bfloat16, seed=len(shape))
+        qa = quant_act_ref(x)
+        for aq in (True, False):
+            assert_bitwise_equal(linear_ref(qa, w, aq, torch.bfloat16), linear_ref(x, w, aq, torch.bfloat16),
+                                 f"reference, act_quant={aq}")
+            assert_bitwise_equal(fast(qa, w, aq, torch.bfloat16), fast(x, w, aq, torch.bfloat16), f"fast, act_quant={aq}")
+    if fmt != "bf16":  # prefill tiles read the codes given (another x's here), where they would quantize x first
+        x, other = _x((17, 384), torch.bfloat16, seed=3), quant_act_ref(_x((17, 384), torch.bfloat16, seed=4))
+        assert_bitwise_equal(lt.linear(x, w, True, torch.bfloat16, (other.q, other.s)),
+                             lt.linear(other.x, w, True, torch.bfloat16), "the codes are read")
+
+
+@cpu_tier
 def test_linear_leading_dims_and_strided_rows():
     w = _weight("fp8", 200, 256, seed=1)
     x = _x((2, 3, 256), torch.bfloat16, seed=2)

@@ -407,6 +407,28 @@ def test_gemm_choice_fewer_splits_when_more_rows_overflow_the_gpu():
     assert s < tuned  # 1024 rows (96 tiles) do not keep the 8 splits measured at 128
 
 
+@pytest.mark.parametrize("m,n,k", [(128, 32768, 1024), (128, 40960, 1024), (128, 4096, 8192), (37, 264, 1536)])
+def test_gemm_from_a_quantized_activation(m, n, k):
+    # the GEMM reading rmsnorm_quant's codes and scales (no act_quant launch) equals the GEMM that quantizes x itself,
+    # bit for bit, through the fast linear op; the GEMV path (decode) ignores the codes and reads x
+    from dsv4 import ops
+    from dsv4.ops.act_quant import quant_act_ref
+
+    fast = ops.OPS["linear"].fast
+    w = _weight("fp8", n, k, seed=m + n)
+    x = _x(m, k, torch.bfloat16, seed=k)
+    qa = quant_act_ref(x)
+    assert _lc().gemm_choice(x, w, True, torch.bfloat16) or m < 128
+    assert_bitwise_equal(fast(qa, w, True, torch.bfloat16), fast(x, w, True, torch.bfloat16), "QuantAct vs x")
+    other = quant_act_ref(_x(m, k, torch.bfloat16, seed=k + 1))
+    for s in (1, 2):  # the codes given are read (another x's here), not x
+        out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+        _lc().gemm(x, w, out, s, (other.q, other.s))
+        assert_bitwise_equal(out, _gemm(other.x, w, s), f"pre-quantized, splits={s}")
+    one = quant_act_ref(x[:1])
+    assert_bitwise_equal(fast(one, w, True, torch.bfloat16), fast(x[:1], w, True, torch.bfloat16), "GEMV")
+
+
 def test_gemm_fp32_and_strided_x():
     w = _weight("fp8", 1024, 4096, seed=21)
     big = _x(40, 4096 + 128, torch.float32, seed=22)

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from dsv4.model.layers import Rope
-from dsv4.ops.norm import rmsnorm_ref
+from dsv4.ops.act_quant import QuantAct, act_quant_sim_ref, quant_act_ref
+from dsv4.ops.norm import rmsnorm_quant_ref, rmsnorm_ref
 from dsv4.ops.rope import kv_norm_rope_ref, q_norm_rope_ref, rope_ref
-from dsv4.testing import assert_close_rel
+from dsv4.testing import assert_bitwise_equal, assert_close_rel
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -79,3 +80,30 @@ def test_kv_norm_rope_into_the_ring(B, S, W):
         fast.kv_norm_rope(kv, w, 1e-6, cos, sin, 0, ring, None)
     with pytest.raises(ValueError, match="ring must be"):
         fast.kv_norm_rope(kv, w, 1e-6, cos, sin, 0, ring.float(), slots)
+
+
+@pytest.mark.parametrize("M,D", [(1, 1024), (5, 1024), (3, 1536), (4, 128)] if not CUDA else
+                         [(1, 1024), (128, 1024), (37, 1536), (4, 128)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rmsnorm_quant(M, D, dtype):
+    # the norm as fast.rmsnorm (bit for bit) and within op_*_out of the reference; its codes and scales exactly
+    # act_quant_ref of the rounded norm it wrote, a negative value that quantizes to zero included (-0, as the cast)
+    fast = _fast()
+    g = torch.Generator().manual_seed(M * D)
+    x = (torch.randn(M, D, generator=g) * 3).to(dtype)
+    x[0, 5] = -1e-7 * float(x[0].abs().max())  # rounds to -0 in its block
+    x, w = x.to(DEV), (1 + 0.1 * torch.randn(D, generator=g)).to(torch.bfloat16).to(DEV)
+    got = fast.rmsnorm_quant(x, w, 1e-6)
+    ref = rmsnorm_quant_ref(x, w, 1e-6)
+    assert isinstance(got, QuantAct) and got.q.shape == (M, D) and got.s.shape == (M, D // 128)
+    assert_bitwise_equal(got.x, fast.rmsnorm(x, w, 1e-6), "norm")
+    assert_close_rel(got.x, ref.x, "op_bf16_out" if dtype == torch.bfloat16 else "op_fp32_out")
+    own = quant_act_ref(got.x)
+    assert_bitwise_equal(got.q.view(torch.uint8), own.q.view(torch.uint8), "codes")
+    assert_bitwise_equal(got.s, own.s, "scales")
+    assert bool(got.q[0, 5].view(torch.uint8) == 0x80) or got.x[0, 5] == 0  # -0 where the norm kept the sign
+    assert_bitwise_equal(got.dequantize(), act_quant_sim_ref(got.x, 128, out_dtype=torch.float32), "dequantize")
+    with pytest.raises(ValueError, match="multiple of 128"):
+        fast.rmsnorm_quant(x[:, :64], w[:64], 1e-6)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        rmsnorm_quant_ref(x[:, :64], w[:64], 1e-6)
