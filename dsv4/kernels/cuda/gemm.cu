@@ -8,14 +8,15 @@
 // K. One producer thread streams 128-row x 128-byte tiles of xq and W through a ring of kStages stages with TMA
 // (128-byte swizzle: the layout wgmma reads through its descriptors); two consumer warpgroups each run 64 rows x 128
 // columns as four m64n128k32 wgmma per stage, then promote. Stage hand-off is one mbarrier pair per stage (full: the
-// TMA bytes landed; empty: every consumer thread is done reading). The producer runs ahead into the next unit while
+// TMA bytes landed; empty: both consumer warpgroups' MMAs on it are complete, one arrival each: 256 arrivals cost ~80 ns
+// a stage). The producer runs ahead into the next unit while
 // the consumers finish one. setmaxnreg moves registers from the producer warpgroup to the consumers (their two
 // 64-float accumulator sets spilled under the 168-register cap of a 384-thread CTA).
 // - S == 1: the bf16 tile goes out through shared memory as whole 16-byte chunks (4-byte stores straight from the
 //   MMA fragments left half-written 32-byte sectors: ~7 us of wq_b's 20 at M = 128).
 // - S > 1, where the tiles' clusters of S CTAs fit the GPU at once (cluster): the S units of a tile run on the S CTAs
 //   of a thread-block cluster (rank = split), one unit per CTA. Each leaves its fp32 partial in its own shared
-//   memory; after a cluster barrier, rank s sums its 128 / S rows of the S partials, read through distributed shared
+//   memory (over the ring, read by then); after a cluster barrier, rank s sums its 128 / S rows of the S partials, read through distributed shared
 //   memory, in split order, and writes them; a second cluster barrier keeps every CTA until all reads are done. Through global memory (below) the partials' stores,
 //   fence, arrival counter, polling and loads took ~4.5 us of a launch.
 // - S > 1 otherwise (clusters of S are placed per GPC: a GPU of 132 SMs may not hold 32 clusters of 4): each unit
@@ -38,13 +39,16 @@ using dev::griddep_wait;
 constexpr int kTile = 128;                     // BM = BN = BK
 constexpr int kConsumers = 2;                  // warpgroups of 64 rows
 constexpr int kThreads = 128 * (kConsumers + 1);
-constexpr int kStages = 4;  // a power of two: the ring index is a mask (6 stages measured 0.5 us slower)
+constexpr int kStages = 4;  // (6 stages measured 0.5 us slower)
 constexpr int kTileBytes = kTile * kTile;      // one e4m3 operand tile
 constexpr int kStageBytes = 2 * kTileBytes;    // A + B
 constexpr int kOutStageBytes = 64 * kTile * 2;  // a consumer warpgroup's bf16 out rows (S == 1)
 constexpr int kPartPitch = kTile + 8;           // fp32 partial rows (S > 1): 8 floats of padding spread the banks
 constexpr int kPartBytes = kTile * kPartPitch * 4;
-constexpr int kStagingBytes = kPartBytes > kConsumers * kOutStageBytes ? kPartBytes : kConsumers * kOutStageBytes;
+// the S == 1 out tile has its own staging (the producer fills the ring with the next unit meanwhile); the cluster
+// path's fp32 partial reuses the ring (one unit per CTA: every copy has landed and been read by then)
+constexpr int kStagingBytes = kConsumers * kOutStageBytes;
+static_assert(kPartBytes <= kStages * kStageBytes, "the cluster partial must fit the ring");
 // registers per thread after setmaxnreg: 128 x 40 + 256 x 232 <= 64K
 constexpr int kProducerRegs = 40;
 constexpr int kConsumerRegs = 232;
@@ -228,7 +232,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ unsigned char smem_raw[];
   // the swizzle atoms must be 1024-byte aligned
   unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
-  unsigned char* staging = smem + kStages * kStageBytes;  // the bf16 out tile (S == 1) or the fp32 partial (S > 1)
+  unsigned char* staging = smem + kStages * kStageBytes;  // the bf16 out tile (S == 1)
   const uint32_t ring = smem_addr(smem);
   const uint32_t full0 = smem_addr(staging + kStagingBytes);  // full[s] = full0 + 8 s, empty[s] = empty0 + 8 s
   const uint32_t empty0 = full0 + 8 * kStages;
@@ -241,7 +245,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(full0 + 8 * s, 1);
-      mbar_init(empty0 + 8 * s, 128 * kConsumers);
+      mbar_init(empty0 + 8 * s, kConsumers);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -295,7 +299,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int r_in = wg * 64 + r_wg;            // ... in the tile
     const int c_in = 2 * (lane & 3);            // its first column in every 8-column group
     unsigned char* stg = staging + wg * kOutStageBytes;
-    float* cpart = reinterpret_cast<float*>(staging);  // S > 1 through a cluster: this rank's fp32 partial
+    float* cpart = reinterpret_cast<float*>(smem);  // S > 1 through a cluster: this rank's fp32 partial (the ring)
     float acc[64], tot[64];
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
@@ -325,7 +329,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           wgmma_wait0();
           fence_acc(acc);
         }
-        mbar_arrive(empty0 + 8 * s);
+        if (tid == 0) mbar_arrive(empty0 + 8 * s);  // the warpgroup's MMAs are complete
         const float f0 = sa0 * sb, f1 = sa1 * sb;
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
@@ -339,6 +343,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (a.S > 1 && a.cluster) {
         // ---- split-K across the cluster: this rank's partial -> its shared memory; once every rank's is there,
         // rows [split * 128 / S, (split + 1) * 128 / S) of the S partials summed in split order ----
+        consumer_bar();  // both warpgroups' last MMAs have read the ring the partial goes to
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
           const int c = 8 * j + c_in;
