@@ -1,15 +1,17 @@
 """Triton fast path of the compressor update for the decode step (S = 1); chunks (S > 1) run the reference.
 
-Same signature and result as `compressor_ref` (dsv4/ops/compressor.py). Two launches per call:
-1. `_pool_kernel`, grid (B, d / BLOCK): for its channels, assemble the open window's rows (the state's rows
-   before the token, the token's projection (+ ape) at its slot, empty rows after it; CSA: the previous
-   window's A halves first), pool them (softmax over the rows per channel, as torch: max, exp, sum, divide),
-   write the pooled value to a scratch row, and write the new state (the open rows as assembled; CSA: the
-   window becomes the previous one when it closes);
-2. `_finish_kernel`, grid (B,): bf16 cast, weighted RMSNorm, RoPE at the window's first position, the FP8
-   simulation of the no-RoPE dims (block 64) or, for the indexer's keys, the Hadamard rotation + FP4
+Same signature and result as `compressor_ref` (dsv4/ops/compressor.py). One launch per call, `_pool_kernel`,
+grid (B, d / BLOCK):
+1. for its channels, assemble the open window's rows (the state's rows before the token, the token's projection
+   (+ ape) at its slot, empty rows after it; CSA: the previous window's A halves first), pool them (softmax over the
+   rows per channel, as torch: max, exp, sum, divide), write the pooled value to a scratch row, and write the new
+   state (the open rows as assembled; CSA: the window becomes the previous one when it closes);
+2. when the window closes, the last of a row's programs to arrive (an arrival counter per batch row, left zero)
+   finishes the whole row (`_finish_row`): bf16 cast, weighted RMSNorm, RoPE at the window's first position, the
+   FP8 simulation of the no-RoPE dims (block 64) or, for the indexer's keys, the Hadamard rotation + FP4
    simulation of the row (dsv4/ops/hadamard_triton.py's helpers, bit for bit rotate_fp4_ref), and the insert at
-   the window's entry when it closes (a window that stays open leaves its row as it is).
+   the window's entry. It reads the complete scratch row, so the bits do not depend on which program is last. A
+   window that stays open leaves its entry row as it is.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import triton.language as tl
 
 from dsv4.ops.compressor import compressor_ref, finish_entries
 from dsv4.ops.hadamard_triton import fp4_sim_rows, hadamard_rows, hadamard_scale
-from dsv4.ops.triton_util import cast, e4m3_round, round_to, ue8m0_scale
+from dsv4.ops.triton_util import arrival_counters, cast, e4m3_round, round_to, ue8m0_scale
+
+MAX_ROWS = 256  # batch rows with an arrival counter (the decode step runs one); more run the reference
 
 
 def _block(ratio: int, overlap: bool) -> int:
@@ -30,8 +34,11 @@ def _block(ratio: int, overlap: bool) -> int:
 
 
 @triton.jit
-def _pool_kernel(c_ptr, g_ptr, ape_ptr, kv_ptr, sc_ptr, e_ptr, start_ptr, C, d,
-                 R: tl.constexpr, OVERLAP: tl.constexpr, RP: tl.constexpr, BLOCK: tl.constexpr):
+def _pool_kernel(c_ptr, g_ptr, ape_ptr, kv_ptr, sc_ptr, e_ptr, start_ptr, C, d, cnt_ptr,
+                 w_ptr, cos_ptr, sin_ptr, ent_ptr, n_rows, eps, n_pos,
+                 R: tl.constexpr, OVERLAP: tl.constexpr, RP: tl.constexpr, BLOCK: tl.constexpr,
+                 RD2: tl.constexpr, NOPE: tl.constexpr, NB_P: tl.constexpr, QUANT: tl.constexpr,
+                 ROW: tl.constexpr, LOG2D: tl.constexpr, HSCALE: tl.constexpr):
     b = tl.program_id(0)
     ch = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     cm = ch < d
@@ -87,23 +94,27 @@ def _pool_kernel(c_ptr, g_ptr, ape_ptr, kv_ptr, sc_ptr, e_ptr, start_ptr, C, d,
             if closes:  # the closed window becomes the previous one
                 tl.store(base + rows[:, None] * C + colh[None, :], wv, mask=m2)
                 tl.store(sbase + rows[:, None] * C + colh[None, :], wg, mask=m2)
+    if QUANT >= 0 and closes:  # the row's last program to arrive finishes it (the whole scratch row is written)
+        tl.debug_barrier()  # every thread's scratch values are stored before the (release) arrival
+        arrived = tl.atomic_add(cnt_ptr + b, 1, sem="acq_rel")
+        if arrived == tl.num_programs(1) - 1:
+            _finish_row(e_ptr, w_ptr, cos_ptr, sin_ptr, ent_ptr, b, pos, d, n_rows, eps, n_pos, R, RD2, NOPE, NB_P,
+                        QUANT, ROW, LOG2D, HSCALE)
+            tl.atomic_xchg(cnt_ptr + b, 0)
 
 
 @triton.jit
-def _finish_kernel(e_ptr, w_ptr, cos_ptr, sin_ptr, ent_ptr, start_ptr, d, n_rows, eps, n_pos,
-                   R: tl.constexpr, RD2: tl.constexpr, NOPE: tl.constexpr, NB_P: tl.constexpr,
-                   QUANT: tl.constexpr, BLOCK: tl.constexpr, LOG2D: tl.constexpr, HSCALE: tl.constexpr):
-    b = tl.program_id(0)
+def _finish_row(e_ptr, w_ptr, cos_ptr, sin_ptr, ent_ptr, b, pos, d, n_rows, eps, n_pos,
+                R: tl.constexpr, RD2: tl.constexpr, NOPE: tl.constexpr, NB_P: tl.constexpr,
+                QUANT: tl.constexpr, BLOCK: tl.constexpr, LOG2D: tl.constexpr, HSCALE: tl.constexpr):
+    # the closed window's entry (its pooled row in e_ptr): norm, RoPE, quantization simulation, insert
     DT: tl.constexpr = ent_ptr.dtype.element_ty
-    pos = tl.load(start_ptr)
-    if (pos + 1) % R != 0:  # the window stays open: its entry row is left as it is (as the reference)
-        return
     w = pos // R
     row = tl.minimum(w, n_rows - 1)
     out = ent_ptr + (b * n_rows + row) * d
     i = tl.arange(0, BLOCK)
     m = i < d
-    x = round_to(tl.load(e_ptr + b * d + i, mask=m, other=0.0), DT)  # e.to(dtype)
+    x = round_to(tl.load(e_ptr + b * d + i, mask=m, other=0.0, cache_modifier=".cg"), DT)  # e.to(dtype)
     x = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / d + eps))
     y = cast(tl.load(w_ptr + i, mask=m, other=0.0).to(tl.float32) * x, DT)
     tl.store(out + i, y, mask=m)
@@ -146,23 +157,30 @@ def compressor(c: torch.Tensor, g: torch.Tensor, ape: torch.Tensor, norm_w: torc
                               ratio, overlap, quant)
     d = C // 2 if overlap else C
     c2, g2 = c.reshape(B, C).contiguous(), g.reshape(B, C).contiguous()
+    # rotate_fp4 needs a power-of-two width: other widths finish through the reference after the pool (no counter)
+    ref_finish = quant == "fp4" and (d & (d - 1) or d < 32)
+    if B > MAX_ROWS:
+        return compressor_ref(c, g, ape, norm_w, eps, cos_tab, sin_tab, kv_state, score_state, entries, start,
+                              ratio, overlap, quant)
     e = torch.empty(B, d, dtype=torch.float32, device=c.device)
     blk = _block(ratio, overlap)
-    _pool_kernel[(B, triton.cdiv(d, blk))](c2, g2, ape.contiguous(), kv_state, score_state, e, start, C, d,
-                                           R=ratio, OVERLAP=overlap, RP=triton.next_power_of_2(ratio), BLOCK=blk)
     rd2 = cos_tab.shape[-1]
-    if quant == "fp4" and (d & (d - 1) or d < 32):  # rotate_fp4 needs a power-of-two width: the reference finish
+    nope = d - 2 * rd2
+    cos_c, sin_c = cos_tab.contiguous(), sin_tab.contiguous()
+    _pool_kernel[(B, triton.cdiv(d, blk))](
+        c2, g2, ape.contiguous(), kv_state, score_state, e, start, C, d,
+        e if ref_finish else arrival_counters(c.device, "compressor", MAX_ROWS),
+        norm_w, cos_c, sin_c, entries, entries.shape[1], eps, cos_tab.shape[0],
+        R=ratio, OVERLAP=overlap, RP=triton.next_power_of_2(ratio), BLOCK=blk, RD2=rd2, NOPE=nope,
+        NB_P=triton.next_power_of_2(max(nope // 64, 1)),
+        QUANT=-1 if ref_finish else {None: 0, "fp8": 1, "fp4": 2}[quant],
+        ROW=triton.next_power_of_2(d), LOG2D=triton.next_power_of_2(d).bit_length() - 1,
+        HSCALE=hadamard_scale(triton.next_power_of_2(d)))
+    if ref_finish:
         w = start // ratio
         emit = (start + 1) % ratio == 0
         slot = w.clamp_max(entries.shape[1] - 1)
         pos = (w * ratio).clamp_max(cos_tab.shape[0] - 1)
         out = finish_entries(e.view(B, 1, d), norm_w, eps, cos_tab[pos], sin_tab[pos], quant, entries.dtype)
         entries.index_copy_(1, slot, torch.where(emit, out, entries.index_select(1, slot)))
-        return None
-    nope = d - 2 * rd2
-    _finish_kernel[(B,)](e, norm_w, cos_tab.contiguous(), sin_tab.contiguous(), entries, start, d,
-                         entries.shape[1], eps, cos_tab.shape[0], R=ratio, RD2=rd2, NOPE=nope,
-                         NB_P=triton.next_power_of_2(max(nope // 64, 1)), QUANT={None: 0, "fp8": 1, "fp4": 2}[quant],
-                         BLOCK=triton.next_power_of_2(d), LOG2D=triton.next_power_of_2(d).bit_length() - 1,
-                         HSCALE=hadamard_scale(triton.next_power_of_2(d)))
     return None

@@ -65,3 +65,34 @@ def test_decode_steps_match_reference(ratio, overlap, d, quant, dtype):
         assert torch.equal(fast_st.score, ref_st.score), p
         assert torch.equal(fast_st.kv, ref_st.kv), p
         _assert_entries(fast_st.entries, ref_st.entries, quant)
+
+
+@both_tiers
+@pytest.mark.parametrize("d,quant", [(128, "fp8"), (128, "fp4"), (128, None)])
+def test_batch_rows_finish_once_and_leave_the_counters_zero(d, quant):
+    # two batch rows of several programs each: the last of a row's programs to arrive finishes that row's entry
+    # (its own arrival counter), and every counter is zero again after each call
+    from dsv4.ops.compressor_triton import MAX_ROWS, _block
+    from dsv4.ops.triton_util import arrival_counters
+
+    fast = _fast()
+    ratio, overlap, B = 4, True, 2
+    assert d // _block(ratio, overlap) >= 2  # several programs per row
+    g = torch.Generator().manual_seed(d)
+    C = 2 * d
+    rope = Rope(64, 160000.0, None, 4096, DEV)
+    ape = (torch.randn(ratio, C, generator=g) * 0.5).to(DEV)
+    norm_w = (1 + 0.1 * torch.randn(d, generator=g)).to(torch.bfloat16).to(DEV)
+    ref_st = CompressorState(B, ratio, d, overlap, 16, torch.bfloat16, DEV)
+    fast_st = CompressorState(B, ratio, d, overlap, 16, torch.bfloat16, DEV)
+    counters = arrival_counters(torch.device(DEV), "compressor", MAX_ROWS)
+    for p in range(2 * ratio + 1):
+        c, gg = torch.randn(B, 1, C, generator=g).to(DEV), torch.randn(B, 1, C, generator=g).to(DEV)
+        start = torch.tensor([p], device=DEV)
+        args = (ape, norm_w, 1e-6, rope.cos, rope.sin)
+        compressor_ref(c, gg, *args, ref_st.kv, ref_st.score, ref_st.entries, start, ratio, overlap, quant)
+        fast(c, gg, *args, fast_st.kv, fast_st.score, fast_st.entries, start, ratio, overlap, quant)
+        assert torch.equal(fast_st.kv, ref_st.kv) and torch.equal(fast_st.score, ref_st.score), p
+        _assert_entries(fast_st.entries, ref_st.entries, quant)
+        assert not counters.any(), p
+    assert fast_st.entries[:, :2].abs().amax(-1).gt(0).all()  # both windows of both rows were written
