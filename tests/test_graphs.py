@@ -42,12 +42,10 @@ def test_static_decode_step_equals_chunked_path():
     assert_close_rel(out, ref, "logits_incremental_fp32")
 
 
-def test_q_norm_quantizes_for_wq_b_in_prefill_chunks_only():
-    # reference numerics on FP8 weights: a prefill chunk's query norm hands wq_b its codes (rmsnorm_quant, one per
-    # layer), a decode step's does not (its GEMV quantizes the one row itself); the chunk's logits are those of the
-    # same forward with the norm and the quantization as two ops
+def test_q_norm_and_wq_b_run_as_one_op():
+    # the query's low-rank norm and wq_b || the indexer's wq_b: one norm_linear call per layer and forward, prefill
+    # chunk and decode step alike (its fast path picks the kernels by shape), never a separate norm of q_a
     from dsv4 import ops
-    from dsv4.ops.act_quant import quant_act_ref
 
     raw = tiny_config([4, 0], index_topk=3, window=16, max_pos=64, hidden=256, head_dim=128, rope_dim=64,
                       index_dim=64, n_mtp=0,
@@ -55,28 +53,23 @@ def test_q_norm_quantizes_for_wq_b_in_prefill_chunks_only():
                                                scale_fmt="ue8m0", weight_block_size=[128, 128]))
     model = randomize_(Transformer(ModelConfig.from_dict(raw), Numerics("reference", torch.bfloat16)), 3).eval()
     ids = torch.tensor([_ids(raw, 9, seed=1)])
-    seen, split = [], [False]
+    seen = []
 
     def hook(op, args, kwargs):
-        seen.append((op.name, args[0].shape[1]))
-        if op.name == "rmsnorm_quant" and split[0]:
-            return quant_act_ref(ops.OPS["rmsnorm"].ref(*args, **kwargs))
+        seen.append((op.name, tuple(args[0].shape)))
         return op.impl(*args, **kwargs)
 
     ops.set_hook(hook)
     try:
         with torch.no_grad():
             st = model.new_state(10)
-            chunk = model(ids, st)
+            model(ids, st)
             model(ids[:, :1], st)  # the decode step after it
-            split[0] = True
-            two = model(ids, model.new_state(10))
     finally:
         ops.set_hook(None)
-    quant = [s for name, s in seen if name == "rmsnorm_quant"]
-    assert quant == [9] * 4  # two layers, the chunk twice; none in the one-token step
-    assert ("rmsnorm", 1) in seen
-    assert torch.equal(chunk, two)
+    q_lora = raw["q_lora_rank"]
+    assert [s for name, s in seen if name == "norm_linear"] == [(1, 9, q_lora)] * 2 + [(1, 1, q_lora)] * 2
+    assert not [s for name, s in seen if name in ("rmsnorm", "rmsnorm_quant") and s[-1] == q_lora]
 
 
 def test_runner_rejects_bad_use():

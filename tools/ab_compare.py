@@ -78,7 +78,8 @@ def tolerance_for(op: str, t, args: tuple = ()) -> str:
 
     if not t.is_floating_point() or t.dtype == torch.float8_e4m3fn:
         return "bitwise"
-    fmt = getattr(args[1], "fmt", None) if op == "linear" and len(args) > 1 else None
+    w = args[1] if op == "linear" and len(args) > 1 else args[3] if op == "norm_linear" and len(args) > 3 else None
+    fmt = getattr(w, "fmt", None)
     if fmt == "fp8" and t.dtype == torch.bfloat16:  # Hopper FP8 tensor-core dots (see the table entry)
         return "op_fp8_mma_bf16_out"
     if op == "sparse_attn":

@@ -100,12 +100,18 @@ def build_cases(dev):
             x = randn(M, K, dtype=idt)
             return (x, pw, pw.quantized, odt), pw.nbytes() + _nbytes(x) + M * N * odt.itemsize
         cases[name] = ("linear", make)
-        if name.startswith("wq_b"):  # as the model feeds them: qr with its codes from the q norm (rmsnorm_quant)
-            def make_xq(M, make=make):
+        if name.startswith("wq_b"):
+            def make_xq(M, make=make):  # qr with its codes (rmsnorm_quant's)
                 (x, pw, aq, odt), moved = make(M)
                 qa = quant_act_ref(x)
                 return (qa, pw, aq, odt), moved - _nbytes(x) + _nbytes(qa.q, qa.s)
             cases[name + ".xq"] = ("linear", make_xq)
+
+            def make_normed(M, make=make):  # as the model runs them: the query's norm + the linear, one op
+                (x, pw, aq, odt), moved = make(M)
+                nw = (1 + randn(x.shape[-1], std=0.1)).to(torch.bfloat16)
+                return (x, nw, 1e-6, pw, aq, odt), moved + _nbytes(nw)
+            cases["q_norm+" + name] = ("norm_linear", make_normed)
         if fmt in ("fp8", "dense") and triton_linear is not None:  # the Triton kernels beside the CUDA ones, same run
             cases[name + ".triton"] = ("linear", make, triton_linear)
 
@@ -495,7 +501,8 @@ def main(argv=None) -> int:
 
     if args.list:
         names = ([c[0] for c in LINEARS] + [c[0] + ".triton" for c in LINEARS if c[1] in ("fp8", "dense")]
-                 + [c[0] + ".xq" for c in LINEARS if c[0].startswith("wq_b")] + ["q_norm", "q_norm+quant"]
+                 + [c[0] + ".xq" for c in LINEARS if c[0].startswith("wq_b")]
+                 + ["q_norm+" + c[0] for c in LINEARS if c[0].startswith("wq_b")] + ["q_norm", "q_norm+quant"]
                  + ["wo_a", "wo_a.bf16", "mhc_pre_norm", "mhc_post_pre_norm", "mhc_pre_norm.triton",
                     "mhc_post_pre_norm.triton", "head", "moe_experts",
                     "moe_experts.triton", "router"]

@@ -93,10 +93,9 @@ class Attention(nn.Module):
                 if self.indexer is not None:
                     self.indexer.compressor(proj[2], proj[3], plan, st.indexer, rope)
         q_a, kv = self.qkv_a(x)
-        # in a prefill chunk the query's low-rank norm quantizes its output for wq_b (|| the indexer's wq_b) in the
-        # same launch; a decode step's GEMV quantizes its one row itself
-        qr = self.q_norm(q_a, quant=self.wq_b.act_quant and S > 1)
-        q, q_idx = self.q_b(qr) if self.q_b is not None else (self.wq_b(qr), None)
+        # the query's low-rank norm and wq_b (|| the indexer's wq_b) as one op: a decode step norms inside the GEMV;
+        # a prefill chunk's norm hands the GEMM its FP8 codes
+        q, q_idx = self.q_b.normed(q_a, self.q_norm) if self.q_b is not None else (self.wq_b.normed(q_a, self.q_norm), None)
         kv_comp = idx_comp = None
         if self.compressor is not None:
             n = plan.n_entries(self.spec.ratio, st.compressor.entries.shape[1] - 1)

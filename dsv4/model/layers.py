@@ -97,6 +97,10 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         return ops.linear(x, self.prepared(), self.act_quant, out_dtype or x.dtype)
 
+    def normed(self, x: torch.Tensor, norm: "RMSNorm", out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """self(norm(x)) as one op (ops.norm_linear: a decode step norms x inside the linear's launch)."""
+        return ops.norm_linear(x, norm.weight, norm.eps, self.prepared(), self.act_quant, out_dtype or x.dtype)
+
 
 class FusedLinear:
     """Linears that read the same input, run as one GEMM over their concatenated rows (one launch, one
@@ -145,6 +149,15 @@ class FusedLinear:
         if p is None:
             return tuple(m(x, out_dtype) for m in self.members)
         y = ops.linear(x, p, self.members[0].act_quant, out_dtype or x.dtype)
+        return y.split([m.out_features for m in self.members], -1)
+
+    def normed(self, x: torch.Tensor, norm: "RMSNorm", out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
+        """self(norm(x)): one ops.norm_linear over the fused rows (members one by one after one norm otherwise)."""
+        p = self.prepared()
+        if p is None:
+            y = norm(x)
+            return tuple(m(y, out_dtype) for m in self.members)
+        y = ops.norm_linear(x, norm.weight, norm.eps, p, self.members[0].act_quant, out_dtype or x.dtype)
         return y.split([m.out_features for m in self.members], -1)
 
 

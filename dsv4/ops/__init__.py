@@ -190,6 +190,7 @@ for _mod in (_act_quant, _linear, _norm, _rope, _mhc, _compressor, _hadamard, _i
 act_quant = _dispatcher("act_quant")
 linear = _dispatcher("linear")
 wo_a = _dispatcher("wo_a")
+norm_linear = _dispatcher("norm_linear")
 rmsnorm = _dispatcher("rmsnorm")
 rmsnorm_quant = _dispatcher("rmsnorm_quant")
 q_norm_rope = _dispatcher("q_norm_rope")

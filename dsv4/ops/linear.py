@@ -121,6 +121,15 @@ def linear_ref(x: torch.Tensor | QuantAct, w: PreparedLinear, act_quant: bool, o
     return (xf @ w.dequantize().T).to(out_dtype)
 
 
+def norm_linear_ref(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w: PreparedLinear, act_quant: bool,
+                    out_dtype: torch.dtype) -> torch.Tensor:
+    """linear_ref(rmsnorm_ref(x, norm_w, eps), w, act_quant, out_dtype): a weighted RMSNorm (result in x.dtype) and
+    the linear that reads it (the query's low-rank norm and wq_b)."""
+    from dsv4.ops.norm import rmsnorm_ref
+
+    return linear_ref(rmsnorm_ref(x, norm_w, eps), w, act_quant, out_dtype)
+
+
 def wo_a_ref(o: torch.Tensor, w: torch.Tensor, w8: PreparedLinear | None = None) -> torch.Tensor:
     """o [..., G, Dg] (activation dtype), w [G, R, Dg] (activation dtype) -> z [..., G, R] in o.dtype:
     z[g, r] = sum_d o[g, d] w[g, r, d], in the activation dtype as DeepSeek's bf16 einsum. `w8`, when given, is the
@@ -162,6 +171,31 @@ def make_fast_linear(linear_triton):
     return linear_fast
 
 
+def make_fast_norm_linear(linear_fast, norm_fast):
+    """The fast `norm_linear`: decode rows (the CUDA GEMV's shapes, FP8 weights, bf16 x) norm x in the GEMV's own x
+    prologue, one launch; otherwise the norm kernel, which also quantizes its output where the linear quantizes
+    (rmsnorm_quant: the prefill GEMM reads its codes), then the fast linear."""
+    if linear_fast is None or norm_fast is None:
+        return None
+    from dsv4.ops import linear_cuda
+
+    def norm_linear_fast(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w: PreparedLinear, act_quant: bool,
+                         out_dtype: torch.dtype) -> torch.Tensor:
+        aq = bool(act_quant and w.quantized)
+        if (x.is_cuda and isinstance(w, PreparedLinear) and w.fmt == "fp8" and aq and x.dtype == torch.bfloat16
+                and x.dim() >= 1 and x.shape[-1] == w.k and norm_w.shape == (w.k,) and norm_w.dtype == torch.bfloat16
+                and out_dtype in (torch.bfloat16, torch.float32)):
+            x2 = x.reshape(-1, w.k)
+            if x2.stride(-1) == 1 and linear_cuda.applies(x2, w, True, out_dtype):
+                out = torch.empty((*x.shape[:-1], w.n), dtype=out_dtype, device=x.device)
+                linear_cuda.gemv(x2, w, out.view(-1, w.n), norm=(norm_w.contiguous(), eps))
+                return out
+        y = norm_fast.rmsnorm_quant(x, norm_w, eps) if aq and w.k % ACT_BLOCK == 0 else norm_fast.rmsnorm(x, norm_w, eps)
+        return linear_fast(y, w, act_quant, out_dtype)
+
+    return norm_linear_fast
+
+
 def make_fast_wo_a():
     """The fast `wo_a`: the CUDA grouped GEMV on the FP8 weight `w8` (half the bytes of the bf16 copy) for decode
     shapes (1-8 tokens, bf16 o), else the cuBLAS bf16 batched GEMM of the reference on `w`, which streams the bf16
@@ -199,6 +233,13 @@ def register_ops(register) -> None:
     register("linear", linear_ref, fast_linear, interpretable=True,
              doc="x @ W^T for dense / FP8 block / MXFP4 / NVFP4 weights, FP8 1x128 activation quantization",
              cuda="decode GEMV, 1-8 tokens on FP8 / bf16 weights; prefill GEMM (TMA + wgmma) on FP8 weights")
+    try:
+        from dsv4.ops import norm_rope_triton as norm_fast
+    except ImportError:  # no Triton here: the reference runs
+        norm_fast = None
+    register("norm_linear", norm_linear_ref, make_fast_norm_linear(fast_linear, norm_fast), interpretable=True,
+             doc="weighted RMSNorm, then the linear on its output (the query's norm and wq_b)",
+             cuda="decode: the norm in the GEMV's x prologue, one launch")
     register("wo_a", wo_a_ref, fast_wo_a,
              doc="grouped low-rank output projection, bf16 products, no activation quantization",
              cuda="decode grouped GEMV on the FP8 weight (bf16 x)")

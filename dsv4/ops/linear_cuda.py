@@ -155,14 +155,17 @@ def config(fmt: str, x_f32: bool, M: int, N: int, K: int) -> tuple[int, int, int
     return best[1]
 
 
-def gemv(x2: torch.Tensor, w: PreparedLinear, out: torch.Tensor, cfg: tuple[int, int, int, int] | None = None) -> None:
-    """out[M, N] = x2[M, K] @ W^T (see applies()); cfg overrides config() (benchmarks and tests)."""
+def gemv(x2: torch.Tensor, w: PreparedLinear, out: torch.Tensor, cfg: tuple[int, int, int, int] | None = None,
+         norm: tuple[torch.Tensor, float] | None = None) -> None:
+    """out[M, N] = x2[M, K] @ W^T (see applies()); cfg overrides config() (benchmarks and tests). norm = (w [K] bf16,
+    eps): x2's rows RMS-normed first (rmsnorm_ref), in the same launch (FP8 weights, bf16 x)."""
     mod = cuda_kernels.load()
     cfg = cfg or config(w.fmt, x2.dtype == torch.float32, x2.shape[0], w.n, w.k)
     if cfg is None:
         raise ValueError(f"linear_cuda.gemv: the Triton kernel runs {w.fmt} [{w.n}, {w.k}] at M = {x2.shape[0]}")
     splits, wr, nstep, nchunk = cfg
-    mod.gemv(x2, w.weight, w.scale if w.fmt == "fp8" else None, out, splits, wr, nstep, nchunk, True, 1, PDL)
+    nw, eps = norm if norm is not None else (None, 0.0)
+    mod.gemv(x2, w.weight, w.scale if w.fmt == "fp8" else None, out, splits, wr, nstep, nchunk, True, 1, PDL, nw, eps)
 
 
 def wo_a_applies(o2: torch.Tensor, w8: PreparedLinear, groups: int) -> bool:
@@ -187,7 +190,7 @@ def wo_a(o2: torch.Tensor, w8: PreparedLinear, groups: int, out: torch.Tensor,
     o2[:, g K:(g + 1) K], R = N / groups; the products are those of the bf16 weight (pow2_scales)."""
     mod = cuda_kernels.load()
     splits, wr, nstep, nchunk = cfg or config("fp8_bf16", False, o2.shape[0], w8.n, w8.k)
-    mod.gemv(o2, w8.weight, w8.scale, out, splits, wr, nstep, nchunk, False, groups, PDL)
+    mod.gemv(o2, w8.weight, w8.scale, out, splits, wr, nstep, nchunk, False, groups, PDL, None, 0.0)
 
 
 # below: the GEMV (1-8 tokens) or the Triton kernels, as fast or faster there (H200, M = 16 / 32 / 64: wq_b 13.1 /

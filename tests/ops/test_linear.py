@@ -246,6 +246,26 @@ def test_linear_quantized_activation_input(fmt):
 
 
 @cpu_tier
+@pytest.mark.parametrize("m", [1, 17])
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4", "bf16"])
+def test_norm_linear(fmt, m):
+    # the fast norm_linear (here: the norm kernel, with its codes where the linear quantizes, then the fast linear)
+    # against linear_ref(rmsnorm_ref(x)), and bit for bit the two fast ops it is made of
+    from dsv4.ops import norm_rope_triton as nt
+    from dsv4.ops.linear import make_fast_linear, make_fast_norm_linear, norm_linear_ref
+
+    fast_linear = make_fast_linear(lt)
+    fast = make_fast_norm_linear(fast_linear, nt)
+    w = _weight(fmt, 136, 256, seed=43 + m)
+    x = _x((1, m, 256), torch.bfloat16, seed=m) * 3
+    nw = (1 + 0.1 * torch.randn(256, generator=_gen(m), device=DEV)).to(torch.bfloat16)
+    for aq in (True, False):
+        y = fast(x, nw, 1e-6, w, aq, torch.bfloat16)
+        assert_close_rel(y, norm_linear_ref(x, nw, 1e-6, w, aq, torch.bfloat16), _tolerance(x, w, aq, torch.bfloat16))
+        assert_bitwise_equal(y, fast_linear(nt.rmsnorm(x, nw, 1e-6), w, aq, torch.bfloat16), f"composition, aq={aq}")
+
+
+@cpu_tier
 def test_linear_leading_dims_and_strided_rows():
     w = _weight("fp8", 200, 256, seed=1)
     x = _x((2, 3, 256), torch.bfloat16, seed=2)

@@ -429,6 +429,39 @@ def test_gemm_from_a_quantized_activation(m, n, k):
     assert_bitwise_equal(fast(one, w, True, torch.bfloat16), fast(x[:1], w, True, torch.bfloat16), "GEMV")
 
 
+@pytest.mark.parametrize("n", [32768, 40960, 264])
+@pytest.mark.parametrize("m", [1, 4, 8])
+def test_gemv_with_the_norm_in_its_prologue(n, m):
+    # norm_linear at decode: the query's RMSNorm inside the GEMV's x prologue (one launch) against
+    # linear_ref(rmsnorm_ref(x)); and against the GEMV on the separately normed x, which differs only where the
+    # statistic's fp32 summation order moves a normed value across a bf16 rounding (rare)
+    from dsv4 import ops
+    from dsv4.ops.linear import norm_linear_ref
+    from dsv4.ops.norm import rmsnorm_ref
+
+    k = 1024
+    w = _weight("fp8", n, k, seed=n + m)
+    x = _x(m, k, torch.bfloat16, seed=m + 5) * 3
+    nw = (1 + 0.1 * torch.randn(k, generator=torch.Generator(device="cuda").manual_seed(m), device="cuda")).bfloat16()
+    lc = _lc()
+    routed = lc.applies(x, w, True, torch.bfloat16)  # else the Triton kernels run the op: check the CUDA one here
+    cfgs = [None] if routed else []
+    cfgs += [c for c in lc.candidates("fp8", False, m, n, k) if c[0] > 1][:1]  # a split-K config: the norm's own pass
+    cfgs += [c for c in lc.candidates("fp8", False, m, n, k) if c[0] == 1][:1]
+    fast = ops.OPS["norm_linear"].fast
+    for cfg in cfgs:
+        out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+        lc.gemv(x, w, out, cfg, norm=(nw, 1e-6))
+        assert_close_rel(out, norm_linear_ref(x, nw, 1e-6, w, True, torch.bfloat16), "op_bf16_out")
+        plain = torch.empty_like(out)
+        lc.gemv(rmsnorm_ref(x, nw, 1e-6), w, plain, cfg)
+        assert (out == plain).float().mean().item() >= 0.999, cfg
+        if cfg is None:
+            assert_bitwise_equal(fast(x.view(1, m, k), nw, 1e-6, w, True, torch.bfloat16).view(m, n), out, "route")
+    with pytest.raises(RuntimeError, match="norm_w must be"):
+        lc.gemv(x, w, out, None if routed else cfgs[0], norm=(nw[:-8], 1e-6))
+
+
 def test_gemm_fp32_and_strided_x():
     w = _weight("fp8", 1024, 4096, seed=21)
     big = _x(40, 4096 + 128, torch.float32, seed=22)
@@ -474,6 +507,6 @@ def test_binding_messages_with_values_raise():
     w = torch.randn(64, 100, device="cuda").to(torch.bfloat16)
     out = torch.empty(1, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="gemv: K must be a multiple of 8"):
-        mod.gemv(x, w, None, out, 1, 1, 2, 1, True, 1, False)
+        mod.gemv(x, w, None, out, 1, 1, 2, 1, True, 1, False, None, 0.0)
     with pytest.raises(RuntimeError, match="gemv: x columns must split into 3 groups"):
-        mod.gemv(x, w, None, out, 1, 1, 2, 1, True, 3, False)
+        mod.gemv(x, w, None, out, 1, 1, 2, 1, True, 3, False, None, 0.0)

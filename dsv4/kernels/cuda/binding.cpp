@@ -35,7 +35,8 @@ inline long long LL(int64_t v) { return static_cast<long long>(v); }
 // out [M, N] = x [M, K] @ w [N, K]^T; fp8 w: x quantized to e4m3 1x128 (quant_x) or taken as bf16; groups > 1:
 // x is [M, groups * K] and the N / groups rows of group g read its g-th K columns (wo_a)
 void gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scale, at::Tensor& out,
-          int64_t splits, int64_t wr, int64_t nstep, int64_t nchunk, bool quant_x, int64_t groups, bool pdl) {
+          int64_t splits, int64_t wr, int64_t nstep, int64_t nchunk, bool quant_x, int64_t groups, bool pdl,
+          const c10::optional<at::Tensor>& norm_w, double norm_eps) {
   TORCH_CHECK(x.is_cuda() && w.is_cuda() && out.is_cuda(), "gemv: tensors must be on CUDA");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && out.dim() == 2, "gemv: x [M, K], w [N, K], out [M, N]");
   const bool fp8 = w.scalar_type() == at::kFloat8_e4m3fn;
@@ -81,6 +82,15 @@ void gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tens
   a.x_vec = reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && (x.stride(0) * x.element_size()) % 16 == 0 &&
             (K * x.element_size()) % 16 == 0;
   a.xg_rows = groups > 1 ? static_cast<int>(N / groups) : 0;
+  if (norm_w.has_value()) {
+    TORCH_CHECK(fp8 && quant_x && groups == 1 && x.scalar_type() == at::kBFloat16,
+                "gemv: a norm needs fp8 w, x quantized, bf16 x, one group");
+    TORCH_CHECK(norm_w->is_cuda() && norm_w->scalar_type() == at::kBFloat16 && norm_w->is_contiguous() &&
+                    norm_w->dim() == 1 && norm_w->size(0) == K,
+                "gemv: norm_w must be a contiguous bf16 [K] on CUDA");
+    a.norm_w = reinterpret_cast<const __nv_bfloat16*>(norm_w->data_ptr());
+    a.norm_eps = static_cast<float>(norm_eps);
+  }
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaError_t e = dsv4::gemv_launch(a, fmt, static_cast<int>(nstep), pdl, c10::cuda::getCurrentCUDAStream().stream());
   DSV4_CHECK(e == cudaSuccess, "gemv launch failed: %s", cudaGetErrorString(e));

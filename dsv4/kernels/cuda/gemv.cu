@@ -6,6 +6,8 @@
 // FMT 2 stages x as f16 scaled by a power of two per 128-column block (its max in [2^14, 2^15)): exact for every
 // element down to 2^-28 of its block's max, so the products are the bf16 GEMM's; the e4m3 weights convert exactly to
 // f16. Grouped x (xg_rows > 0): rows [g * xg_rows, (g + 1) * xg_rows) read x's columns [g * K, (g + 1) * K) (wo_a).
+// norm_w (FMT 1, bf16 x): each x row is RMS-normed first, as rmsnorm_ref: every CTA sums the squares of the whole row
+// (fp32), y = bf16(w * (x * (1 / sqrt(mean + eps)))), then quantizes y (the query's norm before wq_b, one launch).
 //
 // Work split: a CTA of 8 warps covers 16*WR weight rows x ks columns; warp (wr, wk) owns 16 rows x nchunk chunks of
 // NSTEP steps of 16 bytes per lane per row, streamed through a 3-chunk cp.async ring. The S CTAs of a thread-block cluster split K; their partials are summed through
@@ -45,9 +47,9 @@ __device__ __forceinline__ float load_x(const GemvArgs& a, int m, long long c) {
 
 
 // FMT 1: fp8 weights (+ x quantization); FMT 2: fp8 weights, bf16 x as scaled f16; FMT 0: bf16 weights.
-// XSPLIT: fp32 x as three bf16 parts (FMT 0 only).
-template <int FMT, int NSTEP, bool XSPLIT>
-__global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvArgs a) {
+// XSPLIT: fp32 x as three bf16 parts (FMT 0 only). NORM: the x rows RMS-normed first (FMT 1 only, a.norm_w).
+template <int FMT, int NSTEP, bool XSPLIT, bool NORM>
+__global__ void __launch_bounds__(kThreads, NORM ? 4 : 0) gemv_kernel(const GemvArgs a) {
   constexpr bool W8 = FMT >= 1;
   constexpr int EB = W8 ? 1 : 2;              // weight bytes per element
   constexpr int CPL = 16 / EB;                // columns per 16-byte lane chunk
@@ -118,68 +120,213 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvArgs a) {
     const int nblk = nsc;
     sa = reinterpret_cast<float*>(xsm + ((M * pitch * (FMT == 2 ? 2 : 1) + 15) / 16) * 16);
     red = sa + M * nblk;
-    // a warp's blocks XB at a time: all their loads in flight together (one L2 round trip, not one per block),
-    // kept as loaded (4 fp32 or 4 bf16 per lane) until they have landed
-    constexpr int XB = 4;
-    constexpr int NW = kThreads / 32;
-    for (int p0 = warp; p0 < M * nblk; p0 += NW * XB) {
-      uint4 raw[XB];
-#pragma unroll
-      for (int j = 0; j < XB; ++j) {
-        const int p = p0 + NW * j;
-        const int m = p / nblk, blk = p % nblk;
-        const int c = cta_col0 + blk * 128 + lane * 4;
-        raw[j] = make_uint4(0, 0, 0, 0);
-        if (p < M * nblk && c < a.K) {
-          const long long off = static_cast<long long>(m) * a.sx + xoff + c;
-          if (a.x_vec && a.x_f32) {  // 4 elements in one 16- or 8-byte load
-            raw[j] = *reinterpret_cast<const uint4*>(static_cast<const float*>(a.x) + off);
-          } else if (a.x_vec) {
-            const uint2 b = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(a.x) + off);
-            raw[j].x = b.x, raw[j].y = b.y;
-          } else {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) (&raw[j].x)[i] = __float_as_uint(load_x(a, m, xoff + c + i));
+    if constexpr (!NORM) {
+      // a warp's blocks XB at a time: all their loads in flight together (one L2 round trip, not one per block),
+      // kept as loaded (4 fp32 or 4 bf16 per lane) until they have landed
+      constexpr int XB = 4;
+      constexpr int NW = kThreads / 32;
+      for (int p0 = warp; p0 < M * nblk; p0 += NW * XB) {
+        uint4 raw[XB];
+  #pragma unroll
+        for (int j = 0; j < XB; ++j) {
+          const int p = p0 + NW * j;
+          const int m = p / nblk, blk = p % nblk;
+          const int c = cta_col0 + blk * 128 + lane * 4;
+          raw[j] = make_uint4(0, 0, 0, 0);
+          if (p < M * nblk && c < a.K) {
+            const long long off = static_cast<long long>(m) * a.sx + xoff + c;
+            if (a.x_vec && a.x_f32) {  // 4 elements in one 16- or 8-byte load
+              raw[j] = *reinterpret_cast<const uint4*>(static_cast<const float*>(a.x) + off);
+            } else if (a.x_vec) {
+              const uint2 b = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(a.x) + off);
+              raw[j].x = b.x, raw[j].y = b.y;
+            } else {
+  #pragma unroll
+              for (int i = 0; i < 4; ++i) (&raw[j].x)[i] = __float_as_uint(load_x(a, m, xoff + c + i));
+            }
           }
         }
+  #pragma unroll
+        for (int j = 0; j < XB; ++j) {
+          const int p = p0 + NW * j;
+          if (p >= M * nblk) continue;  // warp-uniform
+          const int m = p / nblk, blk = p % nblk;
+          float v[4];
+          if (a.x_vec && !a.x_f32) {
+            const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[j].x));
+            const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[j].y));
+            v[0] = lo.x, v[1] = lo.y, v[2] = hi.x, v[3] = hi.y;
+          } else {
+            v[0] = __uint_as_float(raw[j].x), v[1] = __uint_as_float(raw[j].y);
+            v[2] = __uint_as_float(raw[j].z), v[3] = __uint_as_float(raw[j].w);
+          }
+          float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+  #pragma unroll
+          for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+          float s, inv;
+          if constexpr (FMT == 1) {
+            ue8m0_scale(amax, s, inv);
+            uint32_t packed = 0;
+  #pragma unroll
+            for (int i = 0; i < 4; ++i) packed |= dev::e4m3_code(v[i], inv) << (8 * i);
+            *reinterpret_cast<uint32_t*>(xq + m * pitch + blk * 128 + lane * 4) = packed;
+          } else {
+            // inv = 2^(14 - e) with e = floor(log2(amax)) (clamped: an all-tiny or all-zero block keeps e = -100):
+            // the block's max lands in [2^14, 2^15), and every bf16 element down to 2^-28 of it is an f16 normal
+            const int e = max(static_cast<int>((__float_as_uint(amax) >> 23) & 0xFF) - 127, -100);
+            inv = __uint_as_float(static_cast<uint32_t>(127 + 14 - e) << 23);
+            s = __uint_as_float(static_cast<uint32_t>(127 - 14 + e) << 23);
+            const __half2 lo = __floats2half2_rn(v[0] * inv, v[1] * inv), hi = __floats2half2_rn(v[2] * inv, v[3] * inv);
+            uint2 packed;
+            packed.x = *reinterpret_cast<const uint32_t*>(&lo);
+            packed.y = *reinterpret_cast<const uint32_t*>(&hi);
+            *reinterpret_cast<uint2*>(xf + m * pitch + blk * 128 + lane * 4) = packed;
+          }
+          if (lane == 0) sa[m * nblk + blk] = s;
+        }
       }
-#pragma unroll
-      for (int j = 0; j < XB; ++j) {
-        const int p = p0 + NW * j;
-        if (p >= M * nblk) continue;  // warp-uniform
-        const int m = p / nblk, blk = p % nblk;
-        float v[4];
+    } else {
+      // a warp's blocks XB at a time: all their loads in flight together (one L2 round trip, not one per block),
+      // kept as loaded (4 fp32 or 4 bf16 per lane) until they have landed
+      constexpr int XB = 4;
+      constexpr int NW = kThreads / 32;
+      auto load_pairs = [&](int p0, uint4 (&raw)[XB]) {
+  #pragma unroll
+        for (int j = 0; j < XB; ++j) {
+          const int p = p0 + NW * j;
+          const int m = p / nblk, blk = p % nblk;
+          const int c = cta_col0 + blk * 128 + lane * 4;
+          raw[j] = make_uint4(0, 0, 0, 0);
+          if (p < M * nblk && c < a.K) {
+            const long long off = static_cast<long long>(m) * a.sx + xoff + c;
+            if (a.x_vec && a.x_f32) {  // 4 elements in one 16- or 8-byte load
+              raw[j] = *reinterpret_cast<const uint4*>(static_cast<const float*>(a.x) + off);
+            } else if (a.x_vec) {
+              const uint2 b = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(a.x) + off);
+              raw[j].x = b.x, raw[j].y = b.y;
+            } else {
+  #pragma unroll
+              for (int i = 0; i < 4; ++i) (&raw[j].x)[i] = __float_as_uint(load_x(a, m, xoff + c + i));
+            }
+          }
+        }
+      };
+      auto unpack = [&](const uint4& r, float (&v)[4]) {
         if (a.x_vec && !a.x_f32) {
-          const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[j].x));
-          const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[j].y));
+          const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r.x));
+          const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r.y));
           v[0] = lo.x, v[1] = lo.y, v[2] = hi.x, v[3] = hi.y;
         } else {
-          v[0] = __uint_as_float(raw[j].x), v[1] = __uint_as_float(raw[j].y);
-          v[2] = __uint_as_float(raw[j].z), v[3] = __uint_as_float(raw[j].w);
+          v[0] = __uint_as_float(r.x), v[1] = __uint_as_float(r.y), v[2] = __uint_as_float(r.z), v[3] = __uint_as_float(r.w);
         }
-        float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-        float s, inv;
-        if constexpr (FMT == 1) {
-          ue8m0_scale(amax, s, inv);
-          uint32_t packed = 0;
-#pragma unroll
-          for (int i = 0; i < 4; ++i) packed |= dev::e4m3_code(v[i], inv) << (8 * i);
-          *reinterpret_cast<uint32_t*>(xq + m * pitch + blk * 128 + lane * 4) = packed;
+      };
+      constexpr bool norm = NORM;
+      __shared__ float rs[8];  // norm: 1 / sqrt(mean(x^2) + eps) per token
+      auto stage_pairs = [&](int p0, const uint4 (&raw)[XB]) {
+  #pragma unroll
+        for (int j = 0; j < XB; ++j) {
+          const int p = p0 + NW * j;
+          if (p >= M * nblk) continue;  // warp-uniform
+          const int m = p / nblk, blk = p % nblk;
+          float v[4];
+          unpack(raw[j], v);
+          if constexpr (norm) {  // y = bf16(w * (x * rs)), as rmsnorm_ref (zeros past K stay zero)
+            const int c = cta_col0 + blk * 128 + lane * 4;
+  #pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const float w = c + i < a.K ? __bfloat162float(a.norm_w[c + i]) : 0.0f;
+              v[i] = __bfloat162float(__float2bfloat16_rn(w * (v[i] * rs[m])));
+            }
+          }
+          float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+  #pragma unroll
+          for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+          float s, inv;
+          if constexpr (FMT == 1) {
+            ue8m0_scale(amax, s, inv);
+            uint32_t packed = 0;
+  #pragma unroll
+            for (int i = 0; i < 4; ++i) packed |= dev::e4m3_code(v[i], inv) << (8 * i);
+            *reinterpret_cast<uint32_t*>(xq + m * pitch + blk * 128 + lane * 4) = packed;
+          } else {
+            // inv = 2^(14 - e) with e = floor(log2(amax)) (clamped: an all-tiny or all-zero block keeps e = -100):
+            // the block's max lands in [2^14, 2^15), and every bf16 element down to 2^-28 of it is an f16 normal
+            const int e = max(static_cast<int>((__float_as_uint(amax) >> 23) & 0xFF) - 127, -100);
+            inv = __uint_as_float(static_cast<uint32_t>(127 + 14 - e) << 23);
+            s = __uint_as_float(static_cast<uint32_t>(127 - 14 + e) << 23);
+            const __half2 lo = __floats2half2_rn(v[0] * inv, v[1] * inv), hi = __floats2half2_rn(v[2] * inv, v[3] * inv);
+            uint2 packed;
+            packed.x = *reinterpret_cast<const uint32_t*>(&lo);
+            packed.y = *reinterpret_cast<const uint32_t*>(&hi);
+            *reinterpret_cast<uint2*>(xf + m * pitch + blk * 128 + lane * 4) = packed;
+          }
+          if (lane == 0) sa[m * nblk + blk] = s;
+        }
+      };
+      if constexpr (norm) {
+        // the statistic over each token's whole row (fp32). Where this CTA stages every column of x in one pass of its
+        // warps (one split, all (token, block) pairs at once), from the staged values themselves; else a pass of its own
+        const bool one_pass = gridDim.x == 1 && a.ks >= a.K && M * nblk <= NW * XB;
+        uint4 raw[XB];
+        if (one_pass) {
+          __shared__ float pss[NW * XB];  // per (token, block) pair
+          load_pairs(warp, raw);
+  #pragma unroll
+          for (int j = 0; j < XB; ++j) {
+            const int p = warp + NW * j;
+            if (p >= M * nblk) continue;  // warp-uniform
+            float v[4];
+            unpack(raw[j], v);
+            float q = fmaf(v[0], v[0], fmaf(v[1], v[1], fmaf(v[2], v[2], v[3] * v[3])));
+  #pragma unroll
+            for (int o = 16; o > 0; o >>= 1) q += __shfl_xor_sync(0xffffffffu, q, o);
+            if (lane == 0) pss[p] = q;
+          }
+          __syncthreads();
+          if (threadIdx.x < M) {
+            float t = 0.0f;
+            for (int b = 0; b < nblk; ++b) t += pss[threadIdx.x * nblk + b];
+            rs[threadIdx.x] = 1.0f / sqrtf(t / static_cast<float>(a.K) + a.norm_eps);
+          }
         } else {
-          // inv = 2^(14 - e) with e = floor(log2(amax)) (clamped: an all-tiny or all-zero block keeps e = -100):
-          // the block's max lands in [2^14, 2^15), and every bf16 element down to 2^-28 of it is an f16 normal
-          const int e = max(static_cast<int>((__float_as_uint(amax) >> 23) & 0xFF) - 127, -100);
-          inv = __uint_as_float(static_cast<uint32_t>(127 + 14 - e) << 23);
-          s = __uint_as_float(static_cast<uint32_t>(127 - 14 + e) << 23);
-          const __half2 lo = __floats2half2_rn(v[0] * inv, v[1] * inv), hi = __floats2half2_rn(v[2] * inv, v[3] * inv);
-          uint2 packed;
-          packed.x = *reinterpret_cast<const uint32_t*>(&lo);
-          packed.y = *reinterpret_cast<const uint32_t*>(&hi);
-          *reinterpret_cast<uint2*>(xf + m * pitch + blk * 128 + lane * 4) = packed;
+          __shared__ float wss[NW][8];
+          float ss[8];
+  #pragma unroll
+          for (int m = 0; m < 8; ++m) ss[m] = 0.0f;
+          for (int c = threadIdx.x * 4; c < a.K; c += kThreads * 4) {
+  #pragma unroll
+            for (int m = 0; m < 8; ++m) {
+              if (m < M) {
+  #pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                  const float v = c + i < a.K ? load_x(a, m, c + i) : 0.0f;
+                  ss[m] = fmaf(v, v, ss[m]);
+                }
+              }
+            }
+          }
+  #pragma unroll
+          for (int m = 0; m < 8; ++m) {
+  #pragma unroll
+            for (int o = 16; o > 0; o >>= 1) ss[m] += __shfl_xor_sync(0xffffffffu, ss[m], o);
+            if (lane == 0) wss[warp][m] = ss[m];
+          }
+          __syncthreads();
+          if (threadIdx.x < M) {
+            float t = 0.0f;
+            for (int w = 0; w < NW; ++w) t += wss[w][threadIdx.x];
+            rs[threadIdx.x] = 1.0f / sqrtf(t / static_cast<float>(a.K) + a.norm_eps);
+          }
         }
-        if (lane == 0) sa[m * nblk + blk] = s;
+        __syncthreads();
+        if (one_pass) {
+          stage_pairs(warp, raw);
+        } else {
+          for (int p0 = warp; p0 < M * nblk; p0 += NW * XB) {
+            load_pairs(p0, raw);
+            stage_pairs(p0, raw);
+          }
+        }
       }
     }
   } else {
@@ -320,9 +467,9 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvArgs a) {
   }
 }
 
-template <int FMT, int NSTEP, bool XSPLIT>
+template <int FMT, int NSTEP, bool XSPLIT, bool NORM>
 cudaError_t launch(const GemvArgs& a, int smem, bool pdl, cudaStream_t stream) {
-  auto kernel = gemv_kernel<FMT, NSTEP, XSPLIT>;
+  auto kernel = gemv_kernel<FMT, NSTEP, XSPLIT, NORM>;
   if (smem > 48 * 1024) {
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return e;
@@ -331,15 +478,15 @@ cudaError_t launch(const GemvArgs& a, int smem, bool pdl, cudaStream_t stream) {
                    stream, a);
 }
 
-template <int FMT, bool XSPLIT>
+template <int FMT, bool XSPLIT, bool NORM = false>
 cudaError_t launch_nstep(const GemvArgs& a, int nstep, int smem, bool pdl, cudaStream_t stream) {
   if constexpr (FMT == 0) {
-    if (nstep == 1) return launch<FMT, 1, XSPLIT>(a, smem, pdl, stream);
+    if (nstep == 1) return launch<FMT, 1, XSPLIT, NORM>(a, smem, pdl, stream);
   }
   switch (nstep) {
-    case 2: return launch<FMT, 2, XSPLIT>(a, smem, pdl, stream);
-    case 4: return launch<FMT, 4, XSPLIT>(a, smem, pdl, stream);
-    case 8: return launch<FMT, 8, XSPLIT>(a, smem, pdl, stream);
+    case 2: return launch<FMT, 2, XSPLIT, NORM>(a, smem, pdl, stream);
+    case 4: return launch<FMT, 4, XSPLIT, NORM>(a, smem, pdl, stream);
+    case 8: return launch<FMT, 8, XSPLIT, NORM>(a, smem, pdl, stream);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -359,7 +506,10 @@ int gemv_smem_bytes(int fmt, int x_split, int M, int ks, int WR, int nstep, int 
 
 cudaError_t gemv_launch(const GemvArgs& a, int fmt, int nstep, bool pdl, cudaStream_t stream) {
   const int smem = gemv_smem_bytes(fmt, a.x_f32 && !fmt, a.M, a.ks, a.WR, nstep, a.nchunk);
-  if (fmt == 1) return launch_nstep<1, false>(a, nstep, smem, pdl, stream);
+  if (fmt == 1) {
+    if (a.norm_w != nullptr) return launch_nstep<1, false, true>(a, nstep, smem, pdl, stream);
+    return launch_nstep<1, false>(a, nstep, smem, pdl, stream);
+  }
   if (fmt == 2) return launch_nstep<2, false>(a, nstep, smem, pdl, stream);
   if (a.x_f32) return launch_nstep<0, true>(a, nstep, smem, pdl, stream);
   return launch_nstep<0, false>(a, nstep, smem, pdl, stream);

@@ -1,5 +1,6 @@
 // Skinny GEMV (decode, 1-8 tokens) on FP8 block-scaled or bf16 weights: see gemv.cu.
 #pragma once
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 namespace dsv4 {
@@ -20,6 +21,8 @@ struct GemvArgs {
   int x_f32, out_f32;
   int x_vec;          // x rows 16-byte aligned (base and stride): vector loads
   int xg_rows;        // 0, or rows per x group: rows [g * xg_rows, (g + 1) * xg_rows) read x[:, g * K : (g + 1) * K]
+  const __nv_bfloat16* norm_w;  // fmt 1 with bf16 x: [K] RMSNorm weight applied to each x row first (else null)
+  float norm_eps;
 };
 
 // fmt: 0 bf16 weights, 1 fp8 weights with x quantized to e4m3 (act_quant), 2 fp8 weights with x unquantized (bf16)
