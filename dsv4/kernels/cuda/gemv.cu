@@ -120,213 +120,152 @@ __global__ void __launch_bounds__(kThreads, NORM ? 4 : 0) gemv_kernel(const Gemv
     const int nblk = nsc;
     sa = reinterpret_cast<float*>(xsm + ((M * pitch * (FMT == 2 ? 2 : 1) + 15) / 16) * 16);
     red = sa + M * nblk;
-    if constexpr (!NORM) {
-      // a warp's blocks XB at a time: all their loads in flight together (one L2 round trip, not one per block),
-      // kept as loaded (4 fp32 or 4 bf16 per lane) until they have landed
-      constexpr int XB = 4;
-      constexpr int NW = kThreads / 32;
-      for (int p0 = warp; p0 < M * nblk; p0 += NW * XB) {
-        uint4 raw[XB];
-  #pragma unroll
-        for (int j = 0; j < XB; ++j) {
-          const int p = p0 + NW * j;
-          const int m = p / nblk, blk = p % nblk;
-          const int c = cta_col0 + blk * 128 + lane * 4;
-          raw[j] = make_uint4(0, 0, 0, 0);
-          if (p < M * nblk && c < a.K) {
-            const long long off = static_cast<long long>(m) * a.sx + xoff + c;
-            if (a.x_vec && a.x_f32) {  // 4 elements in one 16- or 8-byte load
-              raw[j] = *reinterpret_cast<const uint4*>(static_cast<const float*>(a.x) + off);
-            } else if (a.x_vec) {
-              const uint2 b = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(a.x) + off);
-              raw[j].x = b.x, raw[j].y = b.y;
-            } else {
-  #pragma unroll
-              for (int i = 0; i < 4; ++i) (&raw[j].x)[i] = __float_as_uint(load_x(a, m, xoff + c + i));
-            }
-          }
-        }
-  #pragma unroll
-        for (int j = 0; j < XB; ++j) {
-          const int p = p0 + NW * j;
-          if (p >= M * nblk) continue;  // warp-uniform
-          const int m = p / nblk, blk = p % nblk;
-          float v[4];
-          if (a.x_vec && !a.x_f32) {
-            const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[j].x));
-            const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[j].y));
-            v[0] = lo.x, v[1] = lo.y, v[2] = hi.x, v[3] = hi.y;
+    // a warp's blocks XB at a time: all their loads in flight together (one L2 round trip, not one per block),
+    // kept as loaded (4 fp32 or 4 bf16 per lane) until they have landed
+    constexpr int XB = 4;
+    constexpr int NW = kThreads / 32;
+    auto load_pairs = [&](int p0, uint4 (&raw)[XB]) {
+#pragma unroll
+      for (int j = 0; j < XB; ++j) {
+        const int p = p0 + NW * j;
+        const int m = p / nblk, blk = p % nblk;
+        const int c = cta_col0 + blk * 128 + lane * 4;
+        raw[j] = make_uint4(0, 0, 0, 0);
+        if (p < M * nblk && c < a.K) {
+          const long long off = static_cast<long long>(m) * a.sx + xoff + c;
+          if (a.x_vec && a.x_f32) {  // 4 elements in one 16- or 8-byte load
+            raw[j] = *reinterpret_cast<const uint4*>(static_cast<const float*>(a.x) + off);
+          } else if (a.x_vec) {
+            const uint2 b = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(a.x) + off);
+            raw[j].x = b.x, raw[j].y = b.y;
           } else {
-            v[0] = __uint_as_float(raw[j].x), v[1] = __uint_as_float(raw[j].y);
-            v[2] = __uint_as_float(raw[j].z), v[3] = __uint_as_float(raw[j].w);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) (&raw[j].x)[i] = __float_as_uint(load_x(a, m, xoff + c + i));
           }
-          float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-  #pragma unroll
-          for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-          float s, inv;
-          if constexpr (FMT == 1) {
-            ue8m0_scale(amax, s, inv);
-            uint32_t packed = 0;
-  #pragma unroll
-            for (int i = 0; i < 4; ++i) packed |= dev::e4m3_code(v[i], inv) << (8 * i);
-            *reinterpret_cast<uint32_t*>(xq + m * pitch + blk * 128 + lane * 4) = packed;
-          } else {
-            // inv = 2^(14 - e) with e = floor(log2(amax)) (clamped: an all-tiny or all-zero block keeps e = -100):
-            // the block's max lands in [2^14, 2^15), and every bf16 element down to 2^-28 of it is an f16 normal
-            const int e = max(static_cast<int>((__float_as_uint(amax) >> 23) & 0xFF) - 127, -100);
-            inv = __uint_as_float(static_cast<uint32_t>(127 + 14 - e) << 23);
-            s = __uint_as_float(static_cast<uint32_t>(127 - 14 + e) << 23);
-            const __half2 lo = __floats2half2_rn(v[0] * inv, v[1] * inv), hi = __floats2half2_rn(v[2] * inv, v[3] * inv);
-            uint2 packed;
-            packed.x = *reinterpret_cast<const uint32_t*>(&lo);
-            packed.y = *reinterpret_cast<const uint32_t*>(&hi);
-            *reinterpret_cast<uint2*>(xf + m * pitch + blk * 128 + lane * 4) = packed;
-          }
-          if (lane == 0) sa[m * nblk + blk] = s;
         }
       }
-    } else {
-      // a warp's blocks XB at a time: all their loads in flight together (one L2 round trip, not one per block),
-      // kept as loaded (4 fp32 or 4 bf16 per lane) until they have landed
-      constexpr int XB = 4;
-      constexpr int NW = kThreads / 32;
-      auto load_pairs = [&](int p0, uint4 (&raw)[XB]) {
-  #pragma unroll
-        for (int j = 0; j < XB; ++j) {
-          const int p = p0 + NW * j;
-          const int m = p / nblk, blk = p % nblk;
+    };
+    auto unpack = [&](const uint4& r, float (&v)[4]) {
+      if (a.x_vec && !a.x_f32) {
+        const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r.x));
+        const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r.y));
+        v[0] = lo.x, v[1] = lo.y, v[2] = hi.x, v[3] = hi.y;
+      } else {
+        v[0] = __uint_as_float(r.x), v[1] = __uint_as_float(r.y), v[2] = __uint_as_float(r.z), v[3] = __uint_as_float(r.w);
+      }
+    };
+    constexpr bool norm = NORM;
+    __shared__ float rs[8];  // norm: 1 / sqrt(mean(x^2) + eps) per token
+    auto stage_pairs = [&](int p0, const uint4 (&raw)[XB]) {
+#pragma unroll
+      for (int j = 0; j < XB; ++j) {
+        const int p = p0 + NW * j;
+        if (p >= M * nblk) continue;  // warp-uniform
+        const int m = p / nblk, blk = p % nblk;
+        float v[4];
+        unpack(raw[j], v);
+        if constexpr (norm) {  // y = bf16(w * (x * rs)), as rmsnorm_ref (zeros past K stay zero)
           const int c = cta_col0 + blk * 128 + lane * 4;
-          raw[j] = make_uint4(0, 0, 0, 0);
-          if (p < M * nblk && c < a.K) {
-            const long long off = static_cast<long long>(m) * a.sx + xoff + c;
-            if (a.x_vec && a.x_f32) {  // 4 elements in one 16- or 8-byte load
-              raw[j] = *reinterpret_cast<const uint4*>(static_cast<const float*>(a.x) + off);
-            } else if (a.x_vec) {
-              const uint2 b = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(a.x) + off);
-              raw[j].x = b.x, raw[j].y = b.y;
-            } else {
-  #pragma unroll
-              for (int i = 0; i < 4; ++i) (&raw[j].x)[i] = __float_as_uint(load_x(a, m, xoff + c + i));
-            }
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const float w = c + i < a.K ? __bfloat162float(a.norm_w[c + i]) : 0.0f;
+            v[i] = __bfloat162float(__float2bfloat16_rn(w * (v[i] * rs[m])));
           }
         }
-      };
-      auto unpack = [&](const uint4& r, float (&v)[4]) {
-        if (a.x_vec && !a.x_f32) {
-          const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r.x));
-          const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r.y));
-          v[0] = lo.x, v[1] = lo.y, v[2] = hi.x, v[3] = hi.y;
+        float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        float s, inv;
+        if constexpr (FMT == 1) {
+          ue8m0_scale(amax, s, inv);
+          uint32_t packed = 0;
+#pragma unroll
+          for (int i = 0; i < 4; ++i) packed |= dev::e4m3_code(v[i], inv) << (8 * i);
+          *reinterpret_cast<uint32_t*>(xq + m * pitch + blk * 128 + lane * 4) = packed;
         } else {
-          v[0] = __uint_as_float(r.x), v[1] = __uint_as_float(r.y), v[2] = __uint_as_float(r.z), v[3] = __uint_as_float(r.w);
+          // inv = 2^(14 - e) with e = floor(log2(amax)) (clamped: an all-tiny or all-zero block keeps e = -100):
+          // the block's max lands in [2^14, 2^15), and every bf16 element down to 2^-28 of it is an f16 normal
+          const int e = max(static_cast<int>((__float_as_uint(amax) >> 23) & 0xFF) - 127, -100);
+          inv = __uint_as_float(static_cast<uint32_t>(127 + 14 - e) << 23);
+          s = __uint_as_float(static_cast<uint32_t>(127 - 14 + e) << 23);
+          const __half2 lo = __floats2half2_rn(v[0] * inv, v[1] * inv), hi = __floats2half2_rn(v[2] * inv, v[3] * inv);
+          uint2 packed;
+          packed.x = *reinterpret_cast<const uint32_t*>(&lo);
+          packed.y = *reinterpret_cast<const uint32_t*>(&hi);
+          *reinterpret_cast<uint2*>(xf + m * pitch + blk * 128 + lane * 4) = packed;
         }
-      };
-      constexpr bool norm = NORM;
-      __shared__ float rs[8];  // norm: 1 / sqrt(mean(x^2) + eps) per token
-      auto stage_pairs = [&](int p0, const uint4 (&raw)[XB]) {
-  #pragma unroll
+        if (lane == 0) sa[m * nblk + blk] = s;
+      }
+    };
+    if constexpr (norm) {
+      // the statistic over each token's whole row (fp32). Where this CTA stages every column of x in one pass of its
+      // warps (one split, all (token, block) pairs at once), from the staged values themselves; else a pass of its own
+      const bool one_pass = gridDim.x == 1 && a.ks >= a.K && M * nblk <= NW * XB;
+      uint4 raw[XB];
+      if (one_pass) {
+        __shared__ float pss[NW * XB];  // per (token, block) pair
+        load_pairs(warp, raw);
+#pragma unroll
         for (int j = 0; j < XB; ++j) {
-          const int p = p0 + NW * j;
+          const int p = warp + NW * j;
           if (p >= M * nblk) continue;  // warp-uniform
-          const int m = p / nblk, blk = p % nblk;
           float v[4];
           unpack(raw[j], v);
-          if constexpr (norm) {  // y = bf16(w * (x * rs)), as rmsnorm_ref (zeros past K stay zero)
-            const int c = cta_col0 + blk * 128 + lane * 4;
-  #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              const float w = c + i < a.K ? __bfloat162float(a.norm_w[c + i]) : 0.0f;
-              v[i] = __bfloat162float(__float2bfloat16_rn(w * (v[i] * rs[m])));
-            }
-          }
-          float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-  #pragma unroll
-          for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-          float s, inv;
-          if constexpr (FMT == 1) {
-            ue8m0_scale(amax, s, inv);
-            uint32_t packed = 0;
-  #pragma unroll
-            for (int i = 0; i < 4; ++i) packed |= dev::e4m3_code(v[i], inv) << (8 * i);
-            *reinterpret_cast<uint32_t*>(xq + m * pitch + blk * 128 + lane * 4) = packed;
-          } else {
-            // inv = 2^(14 - e) with e = floor(log2(amax)) (clamped: an all-tiny or all-zero block keeps e = -100):
-            // the block's max lands in [2^14, 2^15), and every bf16 element down to 2^-28 of it is an f16 normal
-            const int e = max(static_cast<int>((__float_as_uint(amax) >> 23) & 0xFF) - 127, -100);
-            inv = __uint_as_float(static_cast<uint32_t>(127 + 14 - e) << 23);
-            s = __uint_as_float(static_cast<uint32_t>(127 - 14 + e) << 23);
-            const __half2 lo = __floats2half2_rn(v[0] * inv, v[1] * inv), hi = __floats2half2_rn(v[2] * inv, v[3] * inv);
-            uint2 packed;
-            packed.x = *reinterpret_cast<const uint32_t*>(&lo);
-            packed.y = *reinterpret_cast<const uint32_t*>(&hi);
-            *reinterpret_cast<uint2*>(xf + m * pitch + blk * 128 + lane * 4) = packed;
-          }
-          if (lane == 0) sa[m * nblk + blk] = s;
+          float q = fmaf(v[0], v[0], fmaf(v[1], v[1], fmaf(v[2], v[2], v[3] * v[3])));
+#pragma unroll
+          for (int o = 16; o > 0; o >>= 1) q += __shfl_xor_sync(0xffffffffu, q, o);
+          if (lane == 0) pss[p] = q;
         }
-      };
-      if constexpr (norm) {
-        // the statistic over each token's whole row (fp32). Where this CTA stages every column of x in one pass of its
-        // warps (one split, all (token, block) pairs at once), from the staged values themselves; else a pass of its own
-        const bool one_pass = gridDim.x == 1 && a.ks >= a.K && M * nblk <= NW * XB;
-        uint4 raw[XB];
-        if (one_pass) {
-          __shared__ float pss[NW * XB];  // per (token, block) pair
-          load_pairs(warp, raw);
-  #pragma unroll
-          for (int j = 0; j < XB; ++j) {
-            const int p = warp + NW * j;
-            if (p >= M * nblk) continue;  // warp-uniform
-            float v[4];
-            unpack(raw[j], v);
-            float q = fmaf(v[0], v[0], fmaf(v[1], v[1], fmaf(v[2], v[2], v[3] * v[3])));
-  #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) q += __shfl_xor_sync(0xffffffffu, q, o);
-            if (lane == 0) pss[p] = q;
-          }
-          __syncthreads();
-          if (threadIdx.x < M) {
-            float t = 0.0f;
-            for (int b = 0; b < nblk; ++b) t += pss[threadIdx.x * nblk + b];
-            rs[threadIdx.x] = 1.0f / sqrtf(t / static_cast<float>(a.K) + a.norm_eps);
-          }
-        } else {
-          __shared__ float wss[NW][8];
-          float ss[8];
-  #pragma unroll
-          for (int m = 0; m < 8; ++m) ss[m] = 0.0f;
-          for (int c = threadIdx.x * 4; c < a.K; c += kThreads * 4) {
-  #pragma unroll
-            for (int m = 0; m < 8; ++m) {
-              if (m < M) {
-  #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                  const float v = c + i < a.K ? load_x(a, m, c + i) : 0.0f;
-                  ss[m] = fmaf(v, v, ss[m]);
-                }
+        __syncthreads();
+        if (threadIdx.x < M) {
+          float t = 0.0f;
+          for (int b = 0; b < nblk; ++b) t += pss[threadIdx.x * nblk + b];
+          rs[threadIdx.x] = 1.0f / sqrtf(t / static_cast<float>(a.K) + a.norm_eps);
+        }
+      } else {
+        __shared__ float wss[NW][8];
+        float ss[8];
+#pragma unroll
+        for (int m = 0; m < 8; ++m) ss[m] = 0.0f;
+        for (int c = threadIdx.x * 4; c < a.K; c += kThreads * 4) {
+#pragma unroll
+          for (int m = 0; m < 8; ++m) {
+            if (m < M) {
+#pragma unroll
+              for (int i = 0; i < 4; ++i) {
+                const float v = c + i < a.K ? load_x(a, m, c + i) : 0.0f;
+                ss[m] = fmaf(v, v, ss[m]);
               }
             }
           }
-  #pragma unroll
-          for (int m = 0; m < 8; ++m) {
-  #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) ss[m] += __shfl_xor_sync(0xffffffffu, ss[m], o);
-            if (lane == 0) wss[warp][m] = ss[m];
-          }
-          __syncthreads();
-          if (threadIdx.x < M) {
-            float t = 0.0f;
-            for (int w = 0; w < NW; ++w) t += wss[w][threadIdx.x];
-            rs[threadIdx.x] = 1.0f / sqrtf(t / static_cast<float>(a.K) + a.norm_eps);
-          }
+        }
+#pragma unroll
+        for (int m = 0; m < 8; ++m) {
+#pragma unroll
+          for (int o = 16; o > 0; o >>= 1) ss[m] += __shfl_xor_sync(0xffffffffu, ss[m], o);
+          if (lane == 0) wss[warp][m] = ss[m];
         }
         __syncthreads();
-        if (one_pass) {
-          stage_pairs(warp, raw);
-        } else {
-          for (int p0 = warp; p0 < M * nblk; p0 += NW * XB) {
-            load_pairs(p0, raw);
-            stage_pairs(p0, raw);
-          }
+        if (threadIdx.x < M) {
+          float t = 0.0f;
+          for (int w = 0; w < NW; ++w) t += wss[w][threadIdx.x];
+          rs[threadIdx.x] = 1.0f / sqrtf(t / static_cast<float>(a.K) + a.norm_eps);
         }
+      }
+      __syncthreads();
+      if (one_pass) {
+        stage_pairs(warp, raw);
+      } else {
+        for (int p0 = warp; p0 < M * nblk; p0 += NW * XB) {
+          load_pairs(p0, raw);
+          stage_pairs(p0, raw);
+        }
+      }
+    } else {
+      for (int p0 = warp; p0 < M * nblk; p0 += NW * XB) {
+        uint4 raw[XB];
+        load_pairs(p0, raw);
+        stage_pairs(p0, raw);
       }
     }
   } else {
