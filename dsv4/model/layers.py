@@ -19,7 +19,6 @@ from torch import nn
 
 from dsv4 import formats, ops
 from dsv4.config import YarnConfig
-from dsv4.ops.act_quant import QuantAct
 from dsv4.ops.linear import PreparedLinear, prepare_linear
 
 NUMERICS = ("exact", "reference")
@@ -49,10 +48,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.register_buffer("weight", torch.ones(dim, dtype=dtype))
 
-    def forward(self, x: torch.Tensor, quant: bool = False) -> torch.Tensor | QuantAct:
-        """quant: also the FP8 1x128 quantization of the result (a QuantAct), for a next linear that quantizes."""
-        if quant:
-            return ops.rmsnorm_quant(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.rmsnorm(x, self.weight, self.eps)
 
 

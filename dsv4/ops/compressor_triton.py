@@ -1,7 +1,8 @@
 """Triton fast path of the compressor update for the decode step (S = 1); chunks (S > 1) run the reference.
 
 Same signature and result as `compressor_ref` (dsv4/ops/compressor.py). One launch per call, `_pool_kernel`,
-grid (B, d / BLOCK):
+grid (B, d / BLOCK) (more than MAX_ROWS batch rows run the reference; the indexer's FP4 keys at a width that is not a
+power of two finish through reference ops after the pool):
 1. for its channels, assemble the open window's rows (the state's rows before the token, the token's projection
    (+ ape) at its slot, empty rows after it; CSA: the previous window's A halves first), pool them (softmax over the
    rows per channel, as torch: max, exp, sum, divide), write the pooled value to a scratch row, and write the new

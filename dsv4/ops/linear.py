@@ -12,9 +12,11 @@ A leading expert dim [E, ...] on every tensor stacks the routed experts of a lay
 
 `linear_ref(x, w, act_quant, out_dtype)`: with act_quant the activation is FP8-simulated in 1x128
 blocks (the reference's W8A8 / W4A8), then an fp32 GEMM on the dequantized weight, rounded once
-to out_dtype. x may come as a `QuantAct` (an activation with its quantization, made by the op that wrote it):
-a linear that quantizes reads its codes (the same values as quantizing x), any other reads x. `wo_a_ref`: the grouped low-rank output projection in the activation dtype (DeepSeek
-runs wo_a dequantized to bf16, without activation quantization).
+to out_dtype. x may come as a `QuantAct` (an activation with its quantization, made by the op that
+wrote it): a linear that quantizes reads its codes (the same values as quantizing x), any other reads
+x. `norm_linear_ref`: a weighted RMSNorm and the linear on its output, one op. `wo_a_ref`: the grouped
+low-rank output projection in the activation dtype (DeepSeek runs wo_a dequantized to bf16, without
+activation quantization).
 """
 
 from __future__ import annotations
@@ -137,11 +139,21 @@ def wo_a_ref(o: torch.Tensor, w: torch.Tensor, w8: PreparedLinear | None = None)
     return torch.einsum("...gd,grd->...gr", o, w.to(o.dtype))
 
 
+def check_codes(x2: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> None:
+    """Given codes for x2 [M, K] must be e4m3 [M, K] and fp32 scales [M, K / 128], both contiguous (ValueError)."""
+    M, K = x2.shape
+    if not (q.dtype == torch.float8_e4m3fn and tuple(q.shape) == (M, K) and q.is_contiguous()
+            and s.dtype == torch.float32 and tuple(s.shape) == (M, K // ACT_BLOCK) and s.is_contiguous()
+            and q.device == x2.device and s.device == x2.device):
+        raise ValueError(f"linear: codes {tuple(q.shape)} {q.dtype} / scales {tuple(s.shape)} {s.dtype} do not match "
+                         f"x [{M}, {K}] (contiguous e4m3 [M, K] and fp32 [M, K / {ACT_BLOCK}] on x's device)")
+
+
 def make_fast_linear(linear_triton):
     """The fast `linear`: the CUDA GEMV (dsv4/ops/linear_cuda.py) for the decode shapes it takes, the CUDA GEMM for
-    prefill chunks on FP8 weights, the Triton kernels for everything else (the prefill kernels launch no quantization
-    of their own when x is a QuantAct) (FP4 and dense prefill, fp32 out, CPU under
-    TRITON_INTERPRET=1, no CUDA build here)."""
+    prefill chunks on FP8 weights, the Triton kernels for everything else (FP4 and dense prefill, fp32 out, CPU under
+    TRITON_INTERPRET=1, no CUDA build here). Given a QuantAct, the prefill kernels of a quantizing linear read its
+    codes instead of launching a quantization."""
     if linear_triton is None:
         return None
     from dsv4.ops import linear_cuda
@@ -151,6 +163,8 @@ def make_fast_linear(linear_triton):
         pre = None
         if isinstance(x, QuantAct):  # the prefill kernels start from its codes; the decode ones quantize x in-kernel
             pre, x = ((x.q, x.s) if act_quant else None), x.x
+            if pre is not None:
+                check_codes(x.reshape(-1, x.shape[-1]), *pre)
         if (x.is_cuda and isinstance(w, PreparedLinear) and x.dim() >= 1 and x.shape[-1] == w.k
                 and x.dtype in (torch.bfloat16, torch.float32) and out_dtype in (torch.bfloat16, torch.float32)):
             x2 = linear_triton._rows(x, w.k, "linear")
@@ -168,25 +182,34 @@ def make_fast_linear(linear_triton):
         return linear_triton.linear(x, w, act_quant, out_dtype, pre)
 
     linear_fast.__doc__ = linear_triton.linear.__doc__
+    linear_fast.check_weight = linear_triton._check_weight
     return linear_fast
 
 
 def make_fast_norm_linear(linear_fast, norm_fast):
-    """The fast `norm_linear`: decode rows (the CUDA GEMV's shapes, FP8 weights, bf16 x) norm x in the GEMV's own x
-    prologue, one launch; otherwise the norm kernel, which also quantizes its output where the linear quantizes
-    (rmsnorm_quant: the prefill GEMM reads its codes), then the fast linear."""
+    """The fast `norm_linear`, one A/B unit (`--kernels ...,norm_linear=ref` swaps it whole; the `linear` and `rmsnorm`
+    settings do not reach inside it, as for the other fused ops): decode rows (the CUDA GEMV's shapes, FP8 weights,
+    bf16 x) norm x in the GEMV's own x prologue, one launch; otherwise the fast norm, which also quantizes its output
+    where the linear quantizes (rmsnorm_quant: the prefill GEMM reads its codes), then the fast linear. The norm's
+    statistic is an fp32 sum in the order of whichever kernel takes it (the GEMV prologue by block or by thread
+    stride, Triton), so a normed value may land one bf16 rounding apart between decode and prefill, as between any
+    fast norm and rmsnorm_ref."""
     if linear_fast is None or norm_fast is None:
         return None
     from dsv4.ops import linear_cuda
 
     def norm_linear_fast(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w: PreparedLinear, act_quant: bool,
                          out_dtype: torch.dtype) -> torch.Tensor:
+        if not isinstance(w, PreparedLinear):
+            raise TypeError(f"norm_linear: w must be a PreparedLinear, got {type(w).__name__}")
         aq = bool(act_quant and w.quantized)
-        if (x.is_cuda and isinstance(w, PreparedLinear) and w.fmt == "fp8" and aq and x.dtype == torch.bfloat16
-                and x.dim() >= 1 and x.shape[-1] == w.k and norm_w.shape == (w.k,) and norm_w.dtype == torch.bfloat16
+        if (x.is_cuda and w.fmt == "fp8" and aq
+                and x.dtype == torch.bfloat16 and x.dim() >= 1 and x.shape[-1] == w.k and norm_w.shape == (w.k,)
+                and norm_w.dtype == torch.bfloat16 and norm_w.device == x.device
                 and out_dtype in (torch.bfloat16, torch.float32)):
             x2 = x.reshape(-1, w.k)
             if x2.stride(-1) == 1 and linear_cuda.applies(x2, w, True, out_dtype):
+                linear_fast.check_weight(w, x.device)
                 out = torch.empty((*x.shape[:-1], w.n), dtype=out_dtype, device=x.device)
                 linear_cuda.gemv(x2, w, out.view(-1, w.n), norm=(norm_w.contiguous(), eps))
                 return out

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from dsv4.ops.triton_util import arrival_counters, ue8m0_scale
 
-from dsv4.ops.linear import ACT_BLOCK, PreparedLinear
+from dsv4.ops.linear import ACT_BLOCK, PreparedLinear, check_codes
 
 FP8_DOT = True  # fp8 x fp8 tensor-core dots for FP8 weights with bf16 output (sm_90+)
 
@@ -617,6 +617,8 @@ def linear(x: torch.Tensor, w: PreparedLinear, act_quant: bool, out_dtype: torch
     aq = bool(act_quant and w.quantized)
     if aq and k % ACT_BLOCK:
         raise ValueError(f"linear: K={k} must be a multiple of {ACT_BLOCK} for activation quantization")
+    if aq and pre is not None:
+        check_codes(x2, *pre)
     out = torch.empty((*x.shape[:-1], n), dtype=out_dtype, device=x.device)
     m = x2.shape[0]
     if m == 0 or n == 0:

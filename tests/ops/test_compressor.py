@@ -68,7 +68,7 @@ def test_decode_steps_match_reference(ratio, overlap, d, quant, dtype):
 
 
 @both_tiers
-@pytest.mark.parametrize("d,quant", [(128, "fp8"), (128, "fp4"), (128, None)])
+@pytest.mark.parametrize("d,quant", [(128, "fp8"), (128, "fp4"), (128, None)] + ([(512, "fp8")] if CUDA else []))
 def test_batch_rows_finish_once_and_leave_the_counters_zero(d, quant):
     # two batch rows of several programs each: the last of a row's programs to arrive finishes that row's entry
     # (its own arrival counter), and every counter is zero again after each call
@@ -85,7 +85,7 @@ def test_batch_rows_finish_once_and_leave_the_counters_zero(d, quant):
     norm_w = (1 + 0.1 * torch.randn(d, generator=g)).to(torch.bfloat16).to(DEV)
     ref_st = CompressorState(B, ratio, d, overlap, 16, torch.bfloat16, DEV)
     fast_st = CompressorState(B, ratio, d, overlap, 16, torch.bfloat16, DEV)
-    counters = arrival_counters(torch.device(DEV), "compressor", MAX_ROWS)
+    counters = arrival_counters(fast_st.entries.device, "compressor", MAX_ROWS)  # the kernel's (cuda:0, not cuda)
     for p in range(2 * ratio + 1):
         c, gg = torch.randn(B, 1, C, generator=g).to(DEV), torch.randn(B, 1, C, generator=g).to(DEV)
         start = torch.tensor([p], device=DEV)

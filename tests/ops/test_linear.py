@@ -239,6 +239,8 @@ def test_linear_quantized_activation_input(fmt):
             assert_bitwise_equal(linear_ref(qa, w, aq, torch.bfloat16), linear_ref(x, w, aq, torch.bfloat16),
                                  f"reference, act_quant={aq}")
             assert_bitwise_equal(fast(qa, w, aq, torch.bfloat16), fast(x, w, aq, torch.bfloat16), f"fast, act_quant={aq}")
+    with pytest.raises(ValueError, match="do not match"):  # codes of other rows than x's
+        fast(quant_act_ref(x)._replace(x=x[:, :1]), w, True, torch.bfloat16)
     if fmt != "bf16":  # prefill tiles read the codes given (another x's here), where they would quantize x first
         x, other = _x((17, 384), torch.bfloat16, seed=3), quant_act_ref(_x((17, 384), torch.bfloat16, seed=4))
         assert_bitwise_equal(lt.linear(x, w, True, torch.bfloat16, (other.q, other.s)),
@@ -251,11 +253,12 @@ def test_linear_quantized_activation_input(fmt):
 def test_norm_linear(fmt, m):
     # the fast norm_linear (here: the norm kernel, with its codes where the linear quantizes, then the fast linear)
     # against linear_ref(rmsnorm_ref(x)), and bit for bit the two fast ops it is made of
+    from dsv4 import ops
     from dsv4.ops import norm_rope_triton as nt
-    from dsv4.ops.linear import make_fast_linear, make_fast_norm_linear, norm_linear_ref
+    from dsv4.ops.linear import make_fast_linear, norm_linear_ref
 
     fast_linear = make_fast_linear(lt)
-    fast = make_fast_norm_linear(fast_linear, nt)
+    fast = ops.OPS["norm_linear"].fast
     w = _weight(fmt, 136, 256, seed=43 + m)
     x = _x((1, m, 256), torch.bfloat16, seed=m) * 3
     nw = (1 + 0.1 * torch.randn(256, generator=_gen(m), device=DEV)).to(torch.bfloat16)
@@ -263,6 +266,8 @@ def test_norm_linear(fmt, m):
         y = fast(x, nw, 1e-6, w, aq, torch.bfloat16)
         assert_close_rel(y, norm_linear_ref(x, nw, 1e-6, w, aq, torch.bfloat16), _tolerance(x, w, aq, torch.bfloat16))
         assert_bitwise_equal(y, fast_linear(nt.rmsnorm(x, nw, 1e-6), w, aq, torch.bfloat16), f"composition, aq={aq}")
+    with pytest.raises(TypeError, match="PreparedLinear"):
+        fast(x, nw, 1e-6, w.weight, True, torch.bfloat16)
 
 
 @cpu_tier

@@ -437,7 +437,6 @@ def test_gemv_with_the_norm_in_its_prologue(n, m):
     # statistic's fp32 summation order moves a normed value across a bf16 rounding (rare)
     from dsv4 import ops
     from dsv4.ops.linear import norm_linear_ref
-    from dsv4.ops.norm import rmsnorm_ref
 
     k = 1024
     w = _weight("fp8", n, k, seed=n + m)
@@ -448,7 +447,20 @@ def test_gemv_with_the_norm_in_its_prologue(n, m):
     cfgs = [None] if routed else []
     cfgs += [c for c in lc.candidates("fp8", False, m, n, k) if c[0] > 1][:1]  # a split-K config: the norm's own pass
     cfgs += [c for c in lc.candidates("fp8", False, m, n, k) if c[0] == 1][:1]
-    fast = ops.OPS["norm_linear"].fast
+    _check_gemv_norm(lc, ops.OPS["norm_linear"].fast, cfgs, x, w, nw, m, n, k)
+    out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(RuntimeError, match="norm_w must be"):
+        lc.gemv(x, w, out, None if routed else cfgs[0], norm=(nw[:-8], 1e-6))
+    xs = _x(m, k + 4, torch.bfloat16, seed=m + 6)[:, 4:]  # rows not 16-byte aligned: the scalar loads
+    out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    lc.gemv(xs, w, out, cfgs[-1], norm=(nw, 1e-6))
+    assert_close_rel(out, norm_linear_ref(xs, nw, 1e-6, w, True, torch.bfloat16), "op_bf16_out")
+
+
+def _check_gemv_norm(lc, fast, cfgs, x, w, nw, m, n, k):
+    from dsv4.ops.linear import norm_linear_ref
+    from dsv4.ops.norm import rmsnorm_ref
+
     for cfg in cfgs:
         out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
         lc.gemv(x, w, out, cfg, norm=(nw, 1e-6))
@@ -458,8 +470,6 @@ def test_gemv_with_the_norm_in_its_prologue(n, m):
         assert (out == plain).float().mean().item() >= 0.999, cfg
         if cfg is None:
             assert_bitwise_equal(fast(x.view(1, m, k), nw, 1e-6, w, True, torch.bfloat16).view(m, n), out, "route")
-    with pytest.raises(RuntimeError, match="norm_w must be"):
-        lc.gemv(x, w, out, None if routed else cfgs[0], norm=(nw[:-8], 1e-6))
 
 
 def test_gemm_fp32_and_strided_x():

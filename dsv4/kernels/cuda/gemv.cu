@@ -48,6 +48,8 @@ __device__ __forceinline__ float load_x(const GemvArgs& a, int m, long long c) {
 
 // FMT 1: fp8 weights (+ x quantization); FMT 2: fp8 weights, bf16 x as scaled f16; FMT 0: bf16 weights.
 // XSPLIT: fp32 x as three bf16 parts (FMT 0 only). NORM: the x rows RMS-normed first (FMT 1 only, a.norm_w).
+// NORM instances are capped at 64 registers (4 CTAs of 256 threads per SM); the others leave the bound unset (0: ptxas
+// allocates as for __launch_bounds__(kThreads); an explicit 1 took them from 56 to 68-98 registers)
 template <int FMT, int NSTEP, bool XSPLIT, bool NORM>
 __global__ void __launch_bounds__(kThreads, NORM ? 4 : 0) gemv_kernel(const GemvArgs a) {
   constexpr bool W8 = FMT >= 1;
