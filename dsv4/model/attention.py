@@ -95,7 +95,10 @@ class Attention(nn.Module):
         q_a, kv = self.qkv_a(x)
         # the query's low-rank norm and wq_b (|| the indexer's wq_b) as one op: a decode step norms inside the GEMV;
         # a prefill chunk's norm hands the GEMM its FP8 codes
-        q, q_idx = self.q_b.normed(q_a, self.q_norm) if self.q_b is not None else (self.wq_b.normed(q_a, self.q_norm), None)
+        if self.q_b is not None:
+            q, q_idx = self.q_b.normed(q_a, self.q_norm)
+        else:
+            q, q_idx = self.wq_b.normed(q_a, self.q_norm), None
         kv_comp = idx_comp = None
         if self.compressor is not None:
             n = plan.n_entries(self.spec.ratio, st.compressor.entries.shape[1] - 1)

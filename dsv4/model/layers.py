@@ -147,7 +147,8 @@ class FusedLinear:
         y = ops.linear(x, p, self.members[0].act_quant, out_dtype or x.dtype)
         return y.split([m.out_features for m in self.members], -1)
 
-    def normed(self, x: torch.Tensor, norm: "RMSNorm", out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
+    def normed(self, x: torch.Tensor, norm: "RMSNorm",
+               out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
         """self(norm(x)): one ops.norm_linear over the fused rows (members one by one after one norm otherwise)."""
         p = self.prepared()
         if p is None:

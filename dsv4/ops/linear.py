@@ -213,7 +213,8 @@ def make_fast_norm_linear(linear_fast, norm_fast):
                 out = torch.empty((*x.shape[:-1], w.n), dtype=out_dtype, device=x.device)
                 linear_cuda.gemv(x2, w, out.view(-1, w.n), norm=(norm_w.contiguous(), eps))
                 return out
-        y = norm_fast.rmsnorm_quant(x, norm_w, eps) if aq and w.k % ACT_BLOCK == 0 else norm_fast.rmsnorm(x, norm_w, eps)
+        quant = aq and w.k % ACT_BLOCK == 0  # the norm hands the linear its codes
+        y = (norm_fast.rmsnorm_quant if quant else norm_fast.rmsnorm)(x, norm_w, eps)
         return linear_fast(y, w, act_quant, out_dtype)
 
     return norm_linear_fast

@@ -39,7 +39,7 @@ using dev::griddep_wait;
 constexpr int kTile = 128;                     // BM = BN = BK
 constexpr int kConsumers = 2;                  // warpgroups of 64 rows
 constexpr int kThreads = 128 * (kConsumers + 1);
-constexpr int kStages = 4;  // (6 stages measured 0.5 us slower)
+constexpr int kStages = 4;  // 5 or 6 stages measured slower (docs/performance.md, twenty-first pass)
 constexpr int kTileBytes = kTile * kTile;      // one e4m3 operand tile
 constexpr int kStageBytes = 2 * kTileBytes;    // A + B
 constexpr int kOutStageBytes = 64 * kTile * 2;  // a consumer warpgroup's bf16 out rows (S == 1)
