@@ -3,8 +3,9 @@
 All decode state lives preallocated on each layer's device (`ModelState`); the step's inputs (token id,
 position) reach every device through one pinned host buffer and non-blocking copies into static
 tensors, and every position-dependent decision is made on the device, so one capture is right at
-every position. Residual streams hop devices between graphs without host syncs (stream waits only).
-With `use_graphs=False` the same step runs eagerly (the reference for the graphs).
+every position. Residual streams hop devices between graphs without host syncs (stream waits only); on one
+device a graph reads the previous graph's output where it lies (no copy between them). With `use_graphs=False` the
+same step runs eagerly (the reference for the graphs).
 """
 
 from __future__ import annotations
@@ -78,6 +79,15 @@ class DecodeRunner:
         pieces += [(i, d, (lambda i=i: self._run_layer(i))) for i, d in enumerate(self.devices)]
         pieces += [("head", self.head_dev, self._run_head)]
         for key, dev, fn in pieces:
+            # on the previous piece's device, read its output in place: it lives in the graph's memory pool as long as
+            # the graph does, and the step's copy between the two graphs goes away
+            prev = self.embed_out if key == 0 else self.x_out[key - 1] if isinstance(key, int) else \
+                self.x_out[-1] if key == "head" else None
+            if prev is not None and prev.device == dev:
+                if key == "head":
+                    self.x_head = prev
+                else:
+                    self.x_in[key] = prev
             with torch.cuda.device(dev):
                 s = torch.cuda.Stream(dev)
                 s.wait_stream(torch.cuda.current_stream(dev))
@@ -124,7 +134,10 @@ class DecodeRunner:
 
     @staticmethod
     def _hop(dst: torch.Tensor, src: torch.Tensor) -> None:
-        # cross-device (or same-device) copy ordered after src's producer, without a host sync
+        # cross-device (or same-device) copy ordered after src's producer, without a host sync; none where the graph
+        # reads src in place (see _capture)
+        if dst is src:
+            return
         if dst.device != src.device:
             torch.cuda.current_stream(dst.device).wait_stream(torch.cuda.current_stream(src.device))
         dst.copy_(src, non_blocking=True)

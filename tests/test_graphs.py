@@ -91,6 +91,12 @@ def _graph_vs_eager(model, raw, T, devices):
     eager = DecodeRunner(model, model.new_state(T), use_graphs=False)
     ref = torch.stack([eager.step(t).clone() for t in ids])
     graphs = DecodeRunner(model, model.new_state(T), use_graphs=True)
+    # on one device each graph reads the previous one's output in place (no copy between them); across devices the
+    # streams hop into the next device's own buffer
+    for i, dev in enumerate(graphs.devices):
+        prev = graphs.embed_out if i == 0 else graphs.x_out[i - 1]
+        assert (graphs.x_in[i] is prev) == (prev.device == dev)
+    assert (graphs.x_head is graphs.x_out[-1]) == (graphs.x_out[-1].device == graphs.head_dev)
     out = torch.stack([graphs.step(t).clone() for t in ids])
     assert torch.equal(out, ref), f"graph replay differs from eager at {(out != ref).any(-1).nonzero()[:5].tolist()}"
     # and the graphs are right at every position (not just the warm-up path): chunked reference path

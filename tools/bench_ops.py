@@ -72,7 +72,8 @@ def _nbytes(*ts) -> int:
 
 
 def build_cases(dev):
-    """name -> (op name, make(M) -> (args tuple, bytes moved))."""
+    """name -> (op name, make(M) -> (args tuple, bytes moved)[, fast fn[, ref fn]]): a twin or chain overrides the
+    dispatching op."""
     import torch
 
     from dsv4 import formats
@@ -166,6 +167,33 @@ def build_cases(dev):
         return (z, ph), _nbytes(head, z) + M * 129280 * 4
     cases["head"] = ("head", make_head)
     cases.update(moe_cases(dev, randn))
+
+    def make_ffn_entry(M):
+        # the FFN's entry as a decode step runs it: the boundary (mhc_post_pre_norm) writes x, the router reads it (the
+        # CUDA router's gate copy starts during the boundary, under programmatic dependent launch)
+        b, moved = make_mhc(M, True)
+        gate, bias = randn(256, 4096, std=4096 ** -0.5, dtype=torch.bfloat16), randn(256, std=0.1)
+        return b + (gate, bias, torch.zeros(M, dtype=torch.int64, device=dev)), moved + _nbytes(gate, bias)
+
+    def ffn_entry(boundary, router):
+        def run(*a):
+            y = boundary(*a[:13])[1]
+            return router(y.flatten(0, 1), a[13], a[14], None, a[15], "sqrtsoftplus", 6, True, 1.5)
+        return run
+
+    from dsv4 import ops
+
+    b_op, r_op = ops.OPS["mhc_post_pre_norm"], ops.OPS["router"]
+    if b_op.fast is not None and r_op.fast is not None:
+        cases["mhc_post_pre_norm+router"] = ("router", make_ffn_entry, ffn_entry(b_op.fast, r_op.fast),
+                                             ffn_entry(b_op.ref, r_op.ref))
+        try:
+            from dsv4.ops import moe_triton
+            cases["mhc_post_pre_norm+router.triton"] = ("router", make_ffn_entry,
+                                                        ffn_entry(b_op.fast, moe_triton.router),
+                                                        ffn_entry(b_op.ref, r_op.ref))
+        except ImportError:
+            pass
     cases.update(attn_cases(dev, randn))
     cases.update(indexer_cases(dev, randn))
     return cases
@@ -297,6 +325,7 @@ def moe_cases(dev, randn):
     try:  # the Triton experts beside the dispatching fast op (CUDA for one MXFP4 token): A/B in the same run
         from dsv4.ops import moe_triton
         cases["moe_experts.triton"] = ("moe_experts", make_experts, moe_triton.moe_experts)
+        cases["router.triton"] = ("router", make_router, moe_triton.router)
     except ImportError:
         pass
     return cases
@@ -505,7 +534,8 @@ def main(argv=None) -> int:
                  + ["q_norm+" + c[0] for c in LINEARS if c[0].startswith("wq_b")] + ["q_norm", "q_norm+quant"]
                  + ["wo_a", "wo_a.bf16", "mhc_pre_norm", "mhc_post_pre_norm", "mhc_pre_norm.triton",
                     "mhc_post_pre_norm.triton", "head", "moe_experts",
-                    "moe_experts.triton", "router"]
+                    "moe_experts.triton", "router", "router.triton", "mhc_post_pre_norm+router",
+                    "mhc_post_pre_norm+router.triton"]
                  + [n + t for n, _, _ in ATTN for t in ("", ".triton")]
                  + [n + t for n, _ in INDEXER for t in (".scores", ".topk", ".topk.triton")])
         print("\n".join(names))
@@ -538,15 +568,16 @@ def main(argv=None) -> int:
     if args.sweep_mm:
         return sweep_mm(args, cases, ms, bw, dev)
     rows = []
-    for name, (op_name, make, *override) in cases.items():
+    for name, (op_name, make, *override) in cases.items():  # override: (fast fn[, ref fn]) of a twin or a chain
         op = ops.OPS[op_name]
         fast_ok, why = op.fast_available("cuda")
         fast_fn = override[0] if override else op.fast
+        ref_fn = override[1] if len(override) > 1 else op.ref
         for M in ms:
             op_args, moved = make(M)
             sets = [op_args] + [make(M)[0] for _ in range(copies_needed(moved, dev) - 1)]
             row = {"case": name, "op": op_name, "M": M, "bytes": moved, "copies": len(sets)}
-            for backend, fn in (("ref", op.ref), ("fast", fast_fn if fast_ok else None)):
+            for backend, fn in (("ref", ref_fn), ("fast", fast_fn if fast_ok else None)):
                 if fn is None or (backend == "ref" and args.no_ref):
                     row[f"{backend}_us"] = None
                     continue

@@ -100,10 +100,27 @@ def make_fast_moe_experts(moe_triton):
     return moe_experts_fast
 
 
+def make_fast_router(moe_triton):
+    """The fast `router`: the CUDA decode kernel (dsv4/ops/moe_cuda.py, 1-8 bf16 tokens) for the calls it takes, the
+    Triton kernels for everything else."""
+    if moe_triton is None:
+        return None
+    from dsv4.ops import moe_cuda
+
+    def router_fast(x, weight, bias, tid2eid, ids, func, topk, norm_topk, route_scale):
+        if moe_cuda.router_applies(x, weight, bias, tid2eid, ids, func, topk):
+            return moe_cuda.router(x, weight, bias, tid2eid, ids, func, topk, norm_topk, route_scale)
+        return moe_triton.router(x, weight, bias, tid2eid, ids, func, topk, norm_topk, route_scale)
+
+    router_fast.__doc__ = moe_triton.router.__doc__
+    return router_fast
+
+
 def register_ops(register) -> None:
     moe_triton = load_triton_module()
-    register("router", router_ref, getattr(moe_triton, "router", None), interpretable=True,
-             doc="gate scores, hash or bias-corrected top-k, normalised weights")
+    register("router", router_ref, make_fast_router(moe_triton), interpretable=True,
+             doc="gate scores, hash or bias-corrected top-k, normalised weights",
+             cuda="decode, 1-8 tokens: one launch, the gate read while the previous kernel runs")
     register("moe_experts", moe_experts_ref, make_fast_moe_experts(moe_triton), interpretable=True,
              doc="routed + shared clamped-SwiGLU experts, weighted sum",
              cuda="decode experts, one token: MXFP4 routed + FP8 shared")

@@ -6,6 +6,11 @@ summation order and the FP8 MMA's accumulation inside each 32-value MXFP4 group 
 `applies(...)` says whether a call takes this path (else the Triton kernels run: more tokens, NVFP4 or dense experts,
 no activation quantization, other shapes, no CUDA build); `moe_decode(...)` launches it. No host sync, graph-safe:
 the expert ids are read on the device.
+
+The decode router (dsv4/kernels/cuda/router.cu), 1-8 bf16 tokens: `router_applies(...)` / `router(...)`. One launch
+whose CTAs copy their gate rows into shared memory before waiting on the kernel that writes x (programmatic dependent
+launch), then form the fp32 logits; the last CTA to arrive scores and selects (router_ref's numerics up to fp32
+summation order and a few ulp of expf / log1pf; ties to the lowest expert id, as the Triton router).
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from dsv4.ops.linear import PreparedLinear
 from dsv4.ops.linear_cuda import PDL, _capability
 
 MAX_K = 6  # routed experts per token (one warp each in the down kernel; two more take the shared expert)
+ROUTER_MAX_T, ROUTER_MAX_E, ROUTER_MAX_K, ROUTER_MAX_D = 8, 512, 16, 8192  # router.h
+ROUTER_FUNCS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 
 
 def _fp4_stack(w: PreparedLinear, n: int, k: int) -> bool:
@@ -65,3 +72,52 @@ def moe_decode(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w1: Pr
     mod.moe_decode(x, weights.contiguous().float(), idx.contiguous().long(), w1.weight, w1.scale, w3.weight,
                    w3.scale, w2.weight, w2.scale, *s, h, y, float(limit), PDL)
     return y
+
+
+def router_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.Tensor | None,
+                   ids: torch.Tensor, func: str, topk: int) -> bool:
+    """True when the CUDA router runs this call: CUDA sm_90+, 1-8 contiguous bf16 tokens and a contiguous bf16 gate
+    [E, D] (16-byte aligned as given: the gate is read before the previous kernel completes, so no copy is made),
+    E a multiple of 32 up to 512, D a multiple of 8 up to 8192, 1 <= k <= min(E, 16), a known scoring function, an
+    16-byte aligned fp32 bias [E] or int64 tid2eid [vocab, k] + ids [T], every tensor on x's device, the module
+    built."""
+    if not (x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= ROUTER_MAX_T and x.dtype == torch.bfloat16):
+        return False
+    if not (weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.shape[1] == x.shape[1]):
+        return False
+    E, D = weight.shape
+    if not (E % 32 == 0 and 32 <= E <= ROUTER_MAX_E and D % 8 == 0 and D <= ROUTER_MAX_D
+            and 1 <= topk <= min(E, ROUTER_MAX_K) and func in ROUTER_FUNCS):
+        return False
+    if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 and t.device == x.device for t in (x, weight)):
+        return False
+    if tid2eid is not None:
+        if not (tid2eid.dtype == torch.int64 and tid2eid.dim() == 2 and tid2eid.shape[1] == topk
+                and tid2eid.stride(1) == 1 and ids.dtype == torch.int64 and ids.shape == (x.shape[0],)
+                and tid2eid.device == x.device and ids.device == x.device):
+            return False
+    elif bias is None or not (bias.dtype == torch.float32 and bias.shape == (E,) and bias.is_contiguous()
+                              and bias.data_ptr() % 16 == 0 and bias.device == x.device):
+        return False
+    idx_dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if _capability(idx_dev)[0] < 9:
+        return False
+    return cuda_kernels.load() is not None
+
+
+def router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.Tensor | None,
+           ids: torch.Tensor, func: str, topk: int, norm_topk: bool, route_scale: float):
+    """(weights [T, k] fp32, experts [T, k] int64), as router_ref (see router_applies())."""
+    from dsv4.ops.triton_util import arrival_counters
+
+    mod = cuda_kernels.load()
+    T, E = x.shape[0], weight.shape[0]
+    dev = x.device
+    logits = torch.empty((T, E), dtype=torch.float32, device=dev)
+    wts = torch.empty((T, topk), dtype=torch.float32, device=dev)
+    idx = torch.empty((T, topk), dtype=torch.int64, device=dev)
+    hashed = tid2eid is not None
+    mod.router(x, weight, None if hashed else bias, tid2eid, ids.contiguous() if hashed else None, logits,
+               arrival_counters(dev, "router decode", 1), wts, idx, ROUTER_FUNCS[func],
+               bool(norm_topk and func != "softmax"), float(route_scale), PDL)
+    return wts, idx

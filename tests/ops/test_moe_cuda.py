@@ -128,3 +128,124 @@ def test_fast_op_dispatch(flash):
     assert not _mc().applies(x.float(), wts, idx, w1, w2, w3, sh, True)
     assert not _mc().applies(x, wts, idx, w1, w2, w3, sh, False)
     assert not _mc().applies(torch.cat([x, x]), wts.repeat(2, 1), idx.repeat(2, 1), w1, w2, w3, sh, True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the decode router (router.cu)
+
+
+def _router_case(T, E, D, k, hashed, seed, vocab=50):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(T, D, generator=g, device="cuda").to(torch.bfloat16)
+    gate = (torch.randn(E, D, generator=g, device="cuda") * D ** -0.5).to(torch.bfloat16)
+    bias = None if hashed else torch.randn(E, generator=g, device="cuda") * 0.1
+    tid2eid = torch.rand(vocab, E, generator=g, device="cuda").argsort(-1)[:, :k] if hashed else None
+    ids = torch.randint(0, vocab, (T,), generator=g, device="cuda")
+    return x, gate, bias, tid2eid, ids
+
+
+def _router_check(args, func, k, norm=True, scale=1.5):
+    """The CUDA router against router_ref: the same experts (where the reference's own biased scores do not tie to
+    1e-5: fp32 summation order), weights within op_fp32_out, and the arrival counter left at zero."""
+    from dsv4.ops.moe import router_ref
+    from dsv4.ops.triton_util import _COUNTERS
+
+    x, gate, bias, tid2eid, ids = args
+    mc = _mc()
+    assert mc.router_applies(x, gate, bias, tid2eid, ids, func, k)
+    w, i = mc.router(x, gate, bias, tid2eid, ids, func, k, norm, scale)
+    wr, ir = router_ref(x, gate, bias, tid2eid, ids, func, k, norm, scale)
+    assert i.dtype == torch.int64 and w.dtype == torch.float32 and i.shape == ir.shape
+    assert not _COUNTERS[(x.device, "router decode", "main")].any()
+    diff = (i != ir).any(-1)
+    for t in diff.nonzero().flatten().tolist():
+        logits = x[t].float() @ gate.float().T
+        s = {"softmax": logits.softmax(-1), "sigmoid": logits.sigmoid()}.get(func)
+        s = torch.nn.functional.softplus(logits).sqrt() if s is None else s
+        top = (s + bias).sort(descending=True).values[: k + 1]
+        assert bool(((top[:-1] - top[1:]).abs() < 1e-5 * top.abs().max()).any()), \
+            f"router token {t}: {i[t].tolist()} vs {ir[t].tolist()}"
+    assert int(diff.sum()) <= max(1, x.shape[0] // 64)
+    assert_close_rel(w[~diff], wr[~diff], "op_fp32_out")
+    return w, i
+
+
+@pytest.mark.parametrize("T", [1, 2, 4, 8])
+@pytest.mark.parametrize("hashed", [False, True])
+def test_router_flash(T, hashed):
+    _router_check(_router_case(T, 256, 4096, 6, hashed, seed=T + 10 * hashed), "sqrtsoftplus", 6)
+
+
+@pytest.mark.parametrize("T,E,D,k,func,norm", [(3, 64, 136, 3, "sigmoid", True), (2, 32, 8, 1, "softmax", False),
+                                               (5, 96, 2056, 4, "softmax", False), (1, 512, 8192, 16, "sigmoid", True),
+                                               (7, 384, 7168, 8, "sqrtsoftplus", False),
+                                               (8, 256, 4096, 6, "softmax", False)])
+def test_router_odd_shapes(T, E, D, k, func, norm):
+    _router_check(_router_case(T, E, D, k, False, seed=T * E), func, k, norm, scale=2.5)
+
+
+def test_router_hash_odd_shapes():
+    _router_check(_router_case(3, 64, 520, 5, True, seed=5), "sigmoid", 5, scale=1.0)
+
+
+def test_router_ties_to_the_lowest_expert():
+    """Duplicate gate rows and equal biases make exact ties at the top: the lower expert id is taken first (its twin
+    only after it), the same choice as the Triton router's."""
+    from dsv4.ops import moe_triton
+
+    x, gate, bias, _, ids = _router_case(4, 64, 256, 6, False, seed=3)
+    gate[40:48] = gate[8:16]
+    bias[8:16] += 10.0
+    bias[40:48] = bias[8:16]  # experts 40..47 tie exactly with 8..15, far above the rest
+    _, i = _mc().router(x, gate, bias, None, ids, "sqrtsoftplus", 6, True, 1.5)
+    for row in i.tolist():
+        for p, e in enumerate(row):
+            assert 8 <= e < 16 or (40 <= e < 48 and e - 32 in row[:p]), row
+    assert any(e >= 40 for row in i.tolist() for e in row)  # the ties were reached
+    _, it = moe_triton.router(x, gate, bias, None, ids, "sqrtsoftplus", 6, True, 1.5)
+    assert torch.equal(i, it)
+
+
+def test_router_deterministic_and_graph_replay():
+    args = _router_case(4, 256, 4096, 6, False, seed=77)
+
+    def step():
+        return _mc().router(*args, "sqrtsoftplus", 6, True, 1.5)
+
+    w, i = step()
+    w2, i2 = step()
+    assert_bitwise_equal(w2, w, "router rerun")
+    assert torch.equal(i2, i)
+    want, out = graph_replay(lambda: torch.cat([t.float() for t in step()], 1))
+    assert torch.equal(out, want)
+
+
+def test_router_fast_op_dispatch():
+    """The fast `router` runs the CUDA kernel for 1-8 bf16 tokens (its bits) and the Triton kernels otherwise."""
+    from dsv4 import ops
+
+    x, gate, bias, tid2eid, ids = _router_case(2, 256, 4096, 6, False, seed=9)
+    fast = ops.OPS["router"].fast
+    w, i = fast(x, gate, bias, None, ids, "sqrtsoftplus", 6, True, 1.5)
+    wc, ic = _mc().router(x, gate, bias, None, ids, "sqrtsoftplus", 6, True, 1.5)
+    assert_bitwise_equal(w, wc, "fast router vs CUDA")
+    assert torch.equal(i, ic)
+    mc = _mc()
+    assert not mc.router_applies(x.float(), gate, bias, None, ids, "sqrtsoftplus", 6)
+    assert not mc.router_applies(x.repeat(5, 1), gate, bias, None, ids.repeat(5), "sqrtsoftplus", 6)  # 10 tokens
+    assert not mc.router_applies(x, gate[:48], bias[:48], None, ids, "sqrtsoftplus", 6)  # E % 32
+    assert not mc.router_applies(x, gate, bias, None, ids, "relu", 6)
+    assert not mc.router_applies(x, gate, bias, None, ids, "sqrtsoftplus", 17)
+
+
+def test_router_binding_refuses_bad_shapes():
+    from dsv4.kernels import cuda as cuda_kernels
+
+    mod = cuda_kernels.load()
+    x, gate, bias, _, _ = _router_case(2, 48, 64, 2, False, seed=1)
+    logits = torch.empty(2, 48, device="cuda")
+    cnt = torch.zeros(1, dtype=torch.int32, device="cuda")
+    w = torch.empty(2, 2, device="cuda")
+    i = torch.empty(2, 2, dtype=torch.int64, device="cuda")
+    with pytest.raises(RuntimeError, match="E must be a multiple of 32"):
+        mod.router(x, gate, bias, None, None, logits, cnt, w, i, 2, True, 1.0, False)

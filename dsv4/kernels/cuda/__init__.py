@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 SRC_DIR = Path(__file__).resolve().parent
-SOURCES = ("attn.cu", "binding.cpp", "gemm.cu", "gemv.cu", "mhc.cu", "moe.cu", "probe.cu", "topk.cu")  # compiled; headers (*.h) are hashed too
+SOURCES = ("attn.cu", "binding.cpp", "gemm.cu", "gemv.cu", "mhc.cu", "moe.cu", "probe.cu", "router.cu", "topk.cu")  # compiled; headers (*.h) are hashed too
 NAME = "dsv4_cuda"
 NO_BUILD_ENV = "DSV4_NO_CUDA_BUILD"
 

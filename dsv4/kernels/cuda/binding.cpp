@@ -13,6 +13,7 @@
 #include "mhc.h"
 #include "moe.h"
 #include "probe.h"
+#include "router.h"
 #include "topk.h"
 
 namespace {
@@ -491,6 +492,73 @@ void topk_select(const at::Tensor& x, const at::Tensor& nvis, at::Tensor& o, boo
   DSV4_CHECK(e == cudaSuccess, "topk_select launch failed: %s", cudaGetErrorString(e));
 }
 
+// the decode MoE router (router.cu): weights [T, k] fp32 and experts [T, k] int64 from x [T, D] and the gate [E, D];
+// bias for score layers, tid2eid + ids for hash layers
+void router(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+            const c10::optional<at::Tensor>& tid2eid, const c10::optional<at::Tensor>& ids, at::Tensor& logits,
+            at::Tensor& counter, at::Tensor& w_out, at::Tensor& i_out, int64_t func, bool norm, double route_scale,
+            bool pdl) {
+  auto bf16c = [](const at::Tensor& t) { return t.is_cuda() && t.scalar_type() == at::kBFloat16 && t.is_contiguous(); };
+  TORCH_CHECK(bf16c(x) && x.dim() == 2 && bf16c(w) && w.dim() == 2 && x.size(1) == w.size(1),
+              "router: x [T, D] and the gate [E, D] must be contiguous CUDA bf16");
+  const int64_t T = x.size(0), D = x.size(1), E = w.size(0), K = w_out.numel() / (T > 0 ? T : 1);
+  DSV4_CHECK(T >= 1 && T <= dsv4::kRouterMaxT, "router: 1 to %d tokens (got %lld)", dsv4::kRouterMaxT, LL(T));
+  DSV4_CHECK(E % 32 == 0 && E >= 32 && E <= dsv4::kRouterMaxE, "router: E must be a multiple of 32 up to %d (got %lld)",
+             dsv4::kRouterMaxE, LL(E));
+  DSV4_CHECK(D % 8 == 0 && D >= 8 && D <= dsv4::kRouterMaxD, "router: D must be a multiple of 8 up to %d (got %lld)",
+             dsv4::kRouterMaxD, LL(D));
+  DSV4_CHECK(K >= 1 && K <= E && K <= dsv4::kRouterMaxK, "router: k must be 1..min(E, %d) (got %lld)",
+             dsv4::kRouterMaxK, LL(K));
+  TORCH_CHECK(w_out.is_cuda() && w_out.scalar_type() == at::kFloat && w_out.is_contiguous() && w_out.numel() == T * K &&
+              i_out.is_cuda() && i_out.scalar_type() == at::kLong && i_out.is_contiguous() && i_out.numel() == T * K,
+              "router: w_out fp32 and i_out int64, contiguous [T, k]");
+  TORCH_CHECK(logits.is_cuda() && logits.scalar_type() == at::kFloat && logits.is_contiguous() &&
+              logits.numel() == T * E, "router: logits must be contiguous fp32 [T, E]");
+  TORCH_CHECK(counter.is_cuda() && counter.scalar_type() == at::kInt && counter.numel() >= 1,
+              "router: counter must be int32 [>= 1]");
+  TORCH_CHECK(func >= 0 && func <= 2, "router: func must be 0 (softmax), 1 (sigmoid) or 2 (sqrtsoftplus)");
+  const bool hashed = tid2eid.has_value();
+  TORCH_CHECK(hashed == ids.has_value() && hashed != bias.has_value(),
+              "router: either bias (score layers) or tid2eid and ids (hash layers)");
+  if (hashed) {
+    TORCH_CHECK(tid2eid->is_cuda() && tid2eid->scalar_type() == at::kLong && tid2eid->dim() == 2 &&
+                tid2eid->size(1) == K && tid2eid->stride(1) == 1, "router: tid2eid must be int64 [vocab, k], unit inner stride");
+    TORCH_CHECK(ids->is_cuda() && ids->scalar_type() == at::kLong && ids->is_contiguous() && ids->numel() == T,
+                "router: ids must be contiguous int64 [T]");
+  } else {
+    TORCH_CHECK(bias->is_cuda() && bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == E &&
+                reinterpret_cast<uintptr_t>(bias->data_ptr()) % 16 == 0, "router: bias must be contiguous 16-byte aligned fp32 [E]");
+  }
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0,
+              "router: x and the gate must be 16-byte aligned");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&w, &logits, &counter, &w_out, &i_out}) {
+    TORCH_CHECK(t->device() == x.device(), "router: every tensor must be on x's device");
+  }
+  TORCH_CHECK((hashed ? tid2eid->device() == x.device() && ids->device() == x.device() : bias->device() == x.device()),
+              "router: every tensor must be on x's device");
+  dsv4::RouterArgs a{};
+  a.x = reinterpret_cast<const __nv_bfloat16*>(x.data_ptr());
+  a.w = reinterpret_cast<const __nv_bfloat16*>(w.data_ptr());
+  a.bias = hashed ? nullptr : bias->data_ptr<float>();
+  a.tid2eid = hashed ? tid2eid->data_ptr<int64_t>() : nullptr;
+  a.ids = hashed ? ids->data_ptr<int64_t>() : nullptr;
+  a.s_tid = hashed ? tid2eid->stride(0) : 0;
+  a.logits = logits.data_ptr<float>();
+  a.counter = counter.data_ptr<int>();
+  a.w_out = w_out.data_ptr<float>();
+  a.i_out = i_out.data_ptr<int64_t>();
+  a.T = static_cast<int>(T);
+  a.E = static_cast<int>(E);
+  a.D = static_cast<int>(D);
+  a.k = static_cast<int>(K);
+  a.func = static_cast<int>(func);
+  a.norm = norm ? 1 : 0;
+  a.route_scale = static_cast<float>(route_scale);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaError_t e = dsv4::router_launch(a, pdl, c10::cuda::getCurrentCUDAStream().stream());
+  DSV4_CHECK(e == cudaSuccess, "router launch failed: %s", cudaGetErrorString(e));
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stream_read", &stream_read, "bandwidth probe: one plain read of a buffer (probe.cu, benchmarks)");
   m.def("gemv", &gemv, "skinny GEMV (1-8 tokens) on fp8 block-scaled or bf16 weights (gemv.cu)");
@@ -505,4 +573,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("topk_select", &topk_select, "top-k entry indices per query row, ties to the lower entry (topk.cu)");
   m.def("topk_select_cluster", &dsv4::topk_select_cluster, "CTAs per row of topk_select for a row of N entries");
   m.def("moe_decode", &moe_decode, "decode MoE experts of one token: MXFP4 routed + FP8 shared (moe.cu)");
+  m.def("router", &router, "decode MoE router of 1-8 tokens: gate logits, scores, top-k or hash, weights (router.cu)");
 }

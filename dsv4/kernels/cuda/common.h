@@ -1,4 +1,4 @@
-// Device helpers shared by dsv4's CUDA kernels (gemv.cu, moe.cu, mhc.cu): programmatic dependent launch, cp.async,
+// Device helpers shared by dsv4's CUDA kernels (gemv.cu, moe.cu, mhc.cu, router.cu, ...): programmatic dependent launch, cp.async,
 // the mma.sync wrappers and DeepSeek's act_quant scale; launch_pdl on the host side.
 #pragma once
 #include <cuda_runtime.h>
@@ -86,6 +86,29 @@ __device__ __forceinline__ void mma_e4m3_f16x(float (&d)[4], uint32_t a0, uint32
     mma_f16(d, e4m3_lo_f16x2(a0), e4m3_lo_f16x2(a1), e4m3_hi_f16x2(a0), e4m3_hi_f16x2(a1), b.x, b.y);
   }
   mma_f16(d, e4m3_lo_f16x2(a2), e4m3_lo_f16x2(a3), e4m3_hi_f16x2(a2), e4m3_hi_f16x2(a3), b.z, b.w);
+}
+
+// eight bf16 (one 16-byte vector) -> fp32
+__device__ __forceinline__ void unpack8(const uint4& q, float (&v)[8]) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&q);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(h[i]);
+    v[2 * i] = f.x, v[2 * i + 1] = f.y;
+  }
+}
+
+// over the 32 lanes of a warp, a fixed xor-shuffle tree (every lane gets the result)
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
 }
 
 // v rounded to bf16 (nearest even), as fp32

@@ -20,6 +20,9 @@
 namespace dsv4 {
 namespace {
 
+using dev::unpack8;
+using dev::warp_sum;
+
 constexpr int HC = 4;
 constexpr int MIX = (2 + HC) * HC;          // 24
 constexpr int COLS = kMhcCols;
@@ -40,26 +43,11 @@ __device__ __forceinline__ float div_full(float a, float b) {
   return r;
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
 // sum over the 4 lanes of a Sinkhorn row (xor 1, 2) or column (xor 4, 8)
 template <int A, int B>
 __device__ __forceinline__ float group_sum(float v) {
   v += __shfl_xor_sync(0xffffffffu, v, A);
   return v + __shfl_xor_sync(0xffffffffu, v, B);
-}
-
-__device__ __forceinline__ void unpack8(const uint4& q, float (&v)[8]) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&q);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(h[i]);
-    v[2 * i] = f.x, v[2 * i + 1] = f.y;
-  }
 }
 
 // MINB = 2: two CTAs per SM (registers capped at 128; at RV = 3 ptxas spills 20 bytes), for grids past one CTA per
