@@ -108,7 +108,7 @@ def copy_bandwidth(device) -> float:
 # op -> the part of a layer it belongs to, for the per-layer time split
 CATEGORY = {
     "linear": "linear", "norm_linear": "linear", "wo_a": "linear", "head": "linear", "act_quant": "linear",
-    "router": "moe", "moe_experts": "moe",
+    "router": "moe", "moe_experts": "moe", "moe_post": "moe",
     "sparse_attn": "attention", "indexer_scores": "attention", "topk_select": "attention",
     "compressor": "attention", "q_norm_rope": "attention", "kv_norm_rope": "attention", "rope": "attention",
     "rotate_fp4": "attention",

@@ -4,7 +4,7 @@ The routed experts of a layer are owned as stacked [E, ...] tensors (`StackedExp
 `experts.w1.weight` [E, N, K/2], ...): the checkpoint's per-expert names
 (`ffn.experts.{e}.w1.weight`) are routed into slice e by the name table (dsv4/checkpoint.py), so
 the kernels address experts by a device index and a reload writes where the kernels read.
-The math is `ops.router` and `ops.moe_experts`.
+The math is `ops.router` and `ops.moe_post` (`moe_experts`, then the FFN's mHC post).
 """
 
 from __future__ import annotations
@@ -159,12 +159,12 @@ class MoE(nn.Module):
         self.experts = StackedExperts(cfg.n_routed_experts, cfg.hidden_size, inter, expert_fmt, **expert_opts)
         self.shared_experts = Expert(cfg.hidden_size, inter, numerics, fmt, **fmt_opts)
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        # x: [B,S,D] (ffn_norm output), ids: [B,S] -> [B,S,D]
-        shape = x.shape
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
+                comb: torch.Tensor) -> torch.Tensor:
+        # x: [B,S,D] (ffn_norm output), ids: [B,S], the residual streams [B,S,hc,D] with the FFN's mHC post / comb
+        # -> the new streams [B,S,hc,D] (ops.moe_post: the experts' output expanded back, one op)
         x = x.flatten(0, 1)
         w, idx = self.gate(x, ids.flatten())
         ex = self.experts
-        y = ops.moe_experts(x, w, idx, ex.w1.prepared(), ex.w2.prepared(), ex.w3.prepared(),
-                            self.shared_experts.prepared(), self.limit, self.numerics.reference)
-        return y.view(shape)
+        return ops.moe_post(x, w, idx, ex.w1.prepared(), ex.w2.prepared(), ex.w3.prepared(),
+                            self.shared_experts.prepared(), self.limit, self.numerics.reference, streams, post, comb)

@@ -75,11 +75,11 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, plan: StepPlan, st: BlockState, rope: Rope) -> torch.Tensor:
         # x: [B,S,hc,D] residual streams at plan.pos -> [B,S,hc,D]; the same code for a prefill chunk
         # and the captured S = 1 decode step. Each sublayer's input is mhc_pre then its RMSNorm; the attention's
-        # mhc_post and the FFN's pre run as one boundary op
+        # mhc_post and the FFN's pre run as one boundary op, the FFN's post inside its experts' op
         y, post, comb = ops.mhc_pre_norm(x, *self._hc_args("attn", self.attn_norm))
         f = self.attn(y, plan, st, rope)
         x, y, post, comb = ops.mhc_post_pre_norm(f, x, post, comb, *self._hc_args("ffn", self.ffn_norm))
-        return ops.mhc_post(self.ffn(y, ids), x, post, comb)
+        return self.ffn(y, ids, x, post, comb)  # the FFN's mhc_post inside ops.moe_post
 
 
 class MTPBlock(Block):

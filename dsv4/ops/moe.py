@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from dsv4.ops.linear import PreparedLinear, linear_ref
+from dsv4.ops.mhc import mhc_post_ref
 
 
 def router_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.Tensor | None,
@@ -74,6 +75,15 @@ def moe_experts_ref(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w
     return y.to(x.dtype)
 
 
+def moe_post_ref(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w1: PreparedLinear, w2: PreparedLinear,
+                 w3: PreparedLinear, shared: tuple | None, limit: float, act_quant: bool, streams: torch.Tensor,
+                 post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """The FFN's output expanded back into the residual streams: mhc_post_ref(moe_experts_ref(x, ...), streams, post,
+    comb). x [T, D] are the tokens of streams [B, S, hc, D] (T = B S) -> new streams [B, S, hc, D]."""
+    f = moe_experts_ref(x, weights, idx, w1, w2, w3, shared, limit, act_quant)
+    return mhc_post_ref(f.view(*streams.shape[:2], f.shape[-1]), streams, post, comb)
+
+
 def load_triton_module():
     """dsv4.ops.moe_triton, or None where it cannot be imported (no Triton on this machine): then the references
     run and `ops.configure` lists the ops as such."""
@@ -116,11 +126,33 @@ def make_fast_router(moe_triton):
     return router_fast
 
 
+def make_fast_moe_post(moe_triton, experts_fast):
+    """The fast `moe_post`: one token on the CUDA decode kernels, the post in the down kernel's epilogue (one launch
+    fewer); otherwise the fast experts, then Triton's mhc_post."""
+    if moe_triton is None or experts_fast is None:
+        return None
+    from dsv4.ops import mhc_triton, moe_cuda
+
+    def moe_post_fast(x, weights, idx, w1, w2, w3, shared, limit, act_quant, streams, post, comb):
+        if moe_cuda.applies(x, weights, idx, w1, w2, w3, shared, act_quant) and \
+                moe_cuda.post_applies(x, streams, post, comb):
+            return moe_cuda.moe_decode(x, weights, idx, w1, w2, w3, shared, limit, (streams, post, comb))
+        f = experts_fast(x, weights, idx, w1, w2, w3, shared, limit, act_quant)
+        return mhc_triton.mhc_post(f.view(*streams.shape[:2], f.shape[-1]), streams, post, comb)
+
+    moe_post_fast.__doc__ = moe_post_ref.__doc__
+    return moe_post_fast
+
+
 def register_ops(register) -> None:
     moe_triton = load_triton_module()
+    experts_fast = make_fast_moe_experts(moe_triton)
     register("router", router_ref, make_fast_router(moe_triton), interpretable=True,
              doc="gate scores, hash or bias-corrected top-k, normalised weights",
              cuda="decode, 1-8 tokens: one launch, the gate read while the previous kernel runs")
-    register("moe_experts", moe_experts_ref, make_fast_moe_experts(moe_triton), interpretable=True,
+    register("moe_experts", moe_experts_ref, experts_fast, interpretable=True,
              doc="routed + shared clamped-SwiGLU experts, weighted sum",
              cuda="decode experts, one token: MXFP4 routed + FP8 shared")
+    register("moe_post", moe_post_ref, make_fast_moe_post(moe_triton, experts_fast), interpretable=True,
+             doc="moe_experts, then the FFN's mhc_post into the residual streams",
+             cuda="decode, one token: the post in the experts' down kernel")

@@ -4,8 +4,8 @@ Two launches (w1 / w3 + SwiGLU, then w2 + the ordered weighted sum); numerics as
 summation order and the FP8 MMA's accumulation inside each 32-value MXFP4 group / 128-value FP8 block.
 
 `applies(...)` says whether a call takes this path (else the Triton kernels run: more tokens, NVFP4 or dense experts,
-no activation quantization, other shapes, no CUDA build); `moe_decode(...)` launches it. No host sync, graph-safe:
-the expert ids are read on the device.
+no activation quantization, other shapes, no CUDA build); `moe_decode(...)` launches it, with the FFN's mHC post in its epilogue where `post_applies(...)`
+(the `moe_post` op). No host sync, graph-safe: the expert ids are read on the device.
 
 The decode router (dsv4/kernels/cuda/router.cu), 1-8 bf16 tokens: `router_applies(...)` / `router(...)`. One launch
 whose CTAs copy their gate rows into shared memory before waiting on the kernel that writes x (programmatic dependent
@@ -59,9 +59,21 @@ def applies(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w1: Prepa
     return cuda_kernels.load() is not None
 
 
+def post_applies(x: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> bool:
+    """True when moe_decode can also run the FFN's mHC post (moe_post): bf16 streams of the one token [1, 1, 4, D]
+    (x [1, D]), fp32 post [.., 4] and comb [.., 4, 4], all on x's device."""
+    D = x.shape[-1]
+    return (streams.dtype == torch.bfloat16 and tuple(streams.shape) == (1, 1, 4, D) and post.dtype == torch.float32
+            and post.numel() == 4 and comb.dtype == torch.float32 and comb.numel() == 16
+            and all(t.device == x.device for t in (streams, post, comb)))
+
+
 def moe_decode(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w1: PreparedLinear, w2: PreparedLinear,
-               w3: PreparedLinear, shared: tuple | None, limit: float) -> torch.Tensor:
-    """y [1, D] bf16 = the routed experts' weighted sum plus the shared expert's (see applies())."""
+               w3: PreparedLinear, shared: tuple | None, limit: float,
+               post: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """y [1, D] bf16 = the routed experts' weighted sum plus the shared expert's (see applies()); with post =
+    (streams, post, comb) (see post_applies()) the new streams [1, 1, 4, D] = mhc_post(y, streams, post, comb),
+    computed in the down kernel's epilogue."""
     mod = cuda_kernels.load()
     k, N = idx.shape[1], w1.n
     x = x.contiguous()
@@ -69,9 +81,14 @@ def moe_decode(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w1: Pr
     y = torch.empty_like(x)
     s = (None,) * 6 if shared is None else (shared[0].weight, shared[0].scale, shared[2].weight, shared[2].scale,
                                            shared[1].weight, shared[1].scale)
+    fused = (None,) * 4
+    if post is not None:
+        streams, p, c = (t.contiguous() for t in post)
+        out = torch.empty_like(streams)
+        fused = (streams, p, c, out)
     mod.moe_decode(x, weights.contiguous().float(), idx.contiguous().long(), w1.weight, w1.scale, w3.weight,
-                   w3.scale, w2.weight, w2.scale, *s, h, y, float(limit), PDL)
-    return y
+                   w3.scale, w2.weight, w2.scale, *s, h, y, float(limit), PDL, *fused)
+    return y if post is None else fused[3]
 
 
 def router_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.Tensor | None,

@@ -174,6 +174,28 @@ def test_experts_interpreted(T, fmt, sfmt):
 
 
 @cpu_tier
+@pytest.mark.parametrize("B,S", [(1, 1), (1, 3)])
+def test_moe_post_interpreted(B, S):
+    """The fast moe_post (the fast experts, then Triton's mhc_post, on this path) against moe_post_ref, and equal to
+    mhc_post_ref of the fast experts' own output to within one bf16 rounding of a stream."""
+    from dsv4 import ops
+    from dsv4.ops.mhc import mhc_post_ref
+    from dsv4.ops.moe import moe_post_ref
+
+    _fast()
+    x, wts, idx, w1, w2, w3, shared = _experts(B * S, 256, 128, 8, 3, "mxfp4", "fp8", "cpu", seed=40 + S)
+    g = _gen(50 + S)
+    streams = (torch.randn(B, S, 4, 256, generator=g) * 2).to(torch.bfloat16)
+    post, comb = torch.rand(B, S, 4, generator=g) * 2, torch.rand(B, S, 4, 4, generator=g)
+    args = (x, wts, idx, w1, w2, w3, shared, 10.0, True, streams, post, comb)
+    out = ops.OPS["moe_post"].fast(*args)
+    assert out.dtype == torch.bfloat16 and out.shape == streams.shape
+    assert_close_rel(out, moe_post_ref(*args), "op_bf16_out")
+    f = ops.OPS["moe_experts"].fast(*args[:9])
+    assert_close_rel(out, mhc_post_ref(f.view(B, S, 256), streams, post, comb), "op_bf16_out")
+
+
+@cpu_tier
 def test_experts_interpreted_chunked_shared():
     # inter 512: the decode down kernel stacks the shared expert's K in chunks; hash-style repeated ids
     _check_experts(1, 128, 512, 4, 2, "mxfp4", "fp8", "cpu", seed=11)

@@ -130,6 +130,42 @@ def test_fast_op_dispatch(flash):
     assert not _mc().applies(torch.cat([x, x]), wts.repeat(2, 1), idx.repeat(2, 1), w1, w2, w3, sh, True)
 
 
+def _streams(D, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    streams = (torch.randn(1, 1, 4, D, generator=g, device="cuda") * 2).to(torch.bfloat16)
+    return streams, torch.rand(1, 1, 4, generator=g, device="cuda") * 2, torch.rand(1, 1, 4, 4, generator=g, device="cuda")
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_moe_post_in_the_down_kernel(flash, shared):
+    """The FFN's mHC post in the down kernel's epilogue: bit for bit Triton's mhc_post of the kernel's own y, and
+    within tolerance of moe_post_ref; the registered fast moe_post takes this path for one token."""
+    from dsv4 import ops
+    from dsv4.ops import mhc_triton
+    from dsv4.ops.moe import moe_post_ref
+
+    x, wts, idx, w1, w2, w3, sh = flash
+    sh = sh if shared else None
+    streams, post, comb = _streams(4096, seed=5)
+    mc = _mc()
+    assert mc.post_applies(x, streams, post, comb)
+    out = mc.moe_decode(x, wts, idx, w1, w2, w3, sh, 10.0, (streams, post, comb))
+    y = mc.moe_decode(x, wts, idx, w1, w2, w3, sh, 10.0)
+    assert_bitwise_equal(out, mhc_triton.mhc_post(y.view(1, 1, -1), streams, post, comb), "fused post vs mhc_post")
+    args = (x, wts, idx, w1, w2, w3, sh, 10.0, True, streams, post, comb)
+    assert_close_rel(out, moe_post_ref(*args), TOL)
+    assert_bitwise_equal(ops.OPS["moe_post"].fast(*args), out, "fast moe_post vs the fused kernel")
+    assert not mc.post_applies(x, streams.float(), post, comb)
+    assert not mc.post_applies(x, streams, post[..., :3], comb)
+
+
+def test_moe_post_graph_replay_equals_eager(flash):
+    x, wts, idx, w1, w2, w3, sh = flash
+    streams, post, comb = _streams(4096, seed=6)
+    want, out = graph_replay(lambda: _mc().moe_decode(x, wts, idx, w1, w2, w3, sh, 10.0, (streams, post, comb)))
+    assert torch.equal(out, want)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # the decode router (router.cu)
 

@@ -110,7 +110,8 @@ void moe_decode(const at::Tensor& x, const at::Tensor& wts, const at::Tensor& id
                 const at::Tensor& s2, const c10::optional<at::Tensor>& v1, const c10::optional<at::Tensor>& v1s,
                 const c10::optional<at::Tensor>& v3, const c10::optional<at::Tensor>& v3s,
                 const c10::optional<at::Tensor>& v2, const c10::optional<at::Tensor>& v2s, at::Tensor& h, at::Tensor& y,
-                double limit, bool pdl) {
+                double limit, bool pdl, const c10::optional<at::Tensor>& streams, const c10::optional<at::Tensor>& post,
+                const c10::optional<at::Tensor>& comb, const c10::optional<at::Tensor>& out) {
   TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) == 1 && x.is_contiguous(),
               "moe_decode: x must be one contiguous bf16 row [1, D]");
   const int64_t D = x.size(1), k = idx.size(1), E = w1.size(0), I = w1.size(1);
@@ -176,6 +177,25 @@ void moe_decode(const at::Tensor& x, const at::Tensor& wts, const at::Tensor& id
   a.k = static_cast<int>(k);
   a.has_shared = has_shared ? 1 : 0;
   a.limit = static_cast<float>(limit);
+  const bool fused = streams.has_value();
+  TORCH_CHECK(fused == post.has_value() && fused == comb.has_value() && fused == out.has_value(),
+              "moe_decode: streams, post, comb and out come together (the fused mHC post)");
+  if (fused) {
+    auto bf16c = [&](const at::Tensor& t) {
+      return t.is_cuda() && t.device() == x.device() && t.scalar_type() == at::kBFloat16 && t.is_contiguous() &&
+             t.numel() == 4 * D;
+    };
+    auto f32c = [&](const at::Tensor& t, int64_t n) {
+      return t.is_cuda() && t.device() == x.device() && t.scalar_type() == at::kFloat && t.is_contiguous() &&
+             t.numel() == n;
+    };
+    TORCH_CHECK(bf16c(*streams) && bf16c(*out), "moe_decode: streams and out must be contiguous bf16 [4, D] on x's device");
+    TORCH_CHECK(f32c(*post, 4) && f32c(*comb, 16), "moe_decode: post [4] and comb [4, 4] must be contiguous fp32 on x's device");
+    a.streams = reinterpret_cast<const __nv_bfloat16*>(streams->data_ptr());
+    a.post = post->data_ptr<float>();
+    a.comb = comb->data_ptr<float>();
+    a.out = reinterpret_cast<__nv_bfloat16*>(out->data_ptr());
+  }
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaError_t e = dsv4::moe_decode_launch(a, pdl, c10::cuda::getCurrentCUDAStream().stream());
   DSV4_CHECK(e == cudaSuccess, "moe_decode launch failed: %s", cudaGetErrorString(e));

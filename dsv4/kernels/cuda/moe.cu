@@ -7,7 +7,8 @@
 // moe_down_kernel: one CTA per 16 output rows; warp j < k streams routed pair j's w2 rows over all of K, warps 6 and 7
 //   the shared expert's w2 rows over one half of K each. Epilogue: the pair outputs rounded to bf16 and summed in fp32
 //   in ascending (expert id, slot) order, then the shared expert's (its halves summed, rounded): fixed order, no
-//   atomics, the same bits on every run.
+//   atomics, the same bits on every run. Optionally the FFN's mHC post of those columns follows in the same threads
+//   (moe_post: the new streams, the same FMAs as mhc_post's kernel), so that no launch of its own is needed.
 //
 // Numerics. x (and h) are quantized in the kernel to e4m3 with a power-of-two scale per 128 (DeepSeek's act_quant).
 // An e2m1 nibble s.EE.m becomes the e4m3 byte s.00EE.m00, whose value is exactly e2m1 * 2^-6 (E = 0 lands on the e4m3
@@ -42,6 +43,7 @@ using dev::ue8m0_scale;
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
+constexpr int kHc = 4;  // mHC streams (the fused post)
 constexpr int NSTEP = 2;                        // 64-byte steps per ring chunk (fp8: one 128-column block)
 constexpr int NBUF = 3;                         // chunks in a warp's cp.async ring: two in flight, one multiplied
 constexpr int kRingU4 = NBUF * NSTEP * 2 * 32;  // 16-byte slots of one warp's ring
@@ -376,7 +378,18 @@ __global__ void __launch_bounds__(kThreads, 3) moe_down_kernel(const MoeArgs a) 
       y += bf16_round(s.red[best * 16 + r]);
     }
     if (a.has_shared) y += bf16_round(s.red[(kWarps - 2) * 16 + r] + s.red[(kWarps - 1) * 16 + r]);
-    a.y[row0 + r] = __float2bfloat16_rn(y);
+    const __nv_bfloat16 yb = __float2bfloat16_rn(y);
+    a.y[row0 + r] = yb;
+    if (a.out != nullptr) {  // the mHC post of this column, mhc_post's per-element FMAs (its Triton kernel's bits)
+      const int d = row0 + r;
+#pragma unroll
+      for (int j = 0; j < kHc; ++j) {
+        float acc = 0.0f;
+#pragma unroll
+        for (int i = 0; i < kHc; ++i) acc = fmaf(a.comb[i * kHc + j], __bfloat162float(a.streams[i * a.D + d]), acc);
+        a.out[j * a.D + d] = __float2bfloat16_rn(fmaf(a.post[j], __bfloat162float(yb), acc));
+      }
+    }
   }
 }
 

@@ -28,6 +28,11 @@ struct MoeArgs {
   const float* v2s;
   __nv_bfloat16* h;  // [k + 1, I] scratch: the routed pairs' h rows, then the shared expert's
   __nv_bfloat16* y;  // [D]
+  // the FFN's mHC post, fused (null: y only): new streams out[j] = sum_i comb[i, j] streams[i] + post[j] y, [4, D]
+  const __nv_bfloat16* streams;
+  const float* post;  // [4]
+  const float* comb;  // [4, 4]
+  __nv_bfloat16* out;
   int D, I, k, has_shared;
   float limit;       // SwiGLU clamp (<= 0: none)
 };
