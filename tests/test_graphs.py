@@ -130,9 +130,10 @@ def test_graph_decode_equals_eager_decode(ratios, kernels):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kernels", ["fast"], indirect=True)
 def test_graph_decode_reference_numerics_bf16(kernels):
-    # the CLI's default numerics at a width where every fast kernel tiles (FP8 + MXFP4 weights)
+    # the CLI's default numerics at a width where every fast kernel tiles (FP8 + MXFP4 weights; 32 experts: the CUDA
+    # router, whose gate copy starts before the boundary kernel ends)
     raw = tiny_config([4, 128, 0], index_topk=3, window=16, max_pos=512, hidden=256, head_dim=128, rope_dim=64,
-                      index_dim=64, expert_dtype="fp4",
+                      index_dim=64, expert_dtype="fp4", experts=32,
                       quantization_config=dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic",
                                                scale_fmt="ue8m0", weight_block_size=[128, 128]))
     model = randomize_(Transformer(ModelConfig.from_dict(raw), Numerics("reference", torch.bfloat16)).place(["cuda:0"]), 5)

@@ -1,11 +1,12 @@
-"""CUDA fast path of `moe_experts` for decode (dsv4/kernels/cuda/moe.cu): one token, MXFP4 routed experts with FP8
+"""CUDA fast paths of the decode MoE: `moe_experts` / `moe_post` (dsv4/kernels/cuda/moe.cu) and `router`
+(router.cu, below). The experts: one token, MXFP4 routed experts with FP8
 1x128 activation quantization (DeepSeek's FP4 path), an FP8 block-scaled shared expert (or none), bf16 activations.
 Two launches (w1 / w3 + SwiGLU, then w2 + the ordered weighted sum); numerics as `moe_experts_ref` up to fp32
 summation order and the FP8 MMA's accumulation inside each 32-value MXFP4 group / 128-value FP8 block.
 
 `applies(...)` says whether a call takes this path (else the Triton kernels run: more tokens, NVFP4 or dense experts,
-no activation quantization, other shapes, no CUDA build); `moe_decode(...)` launches it, with the FFN's mHC post in its epilogue where `post_applies(...)`
-(the `moe_post` op). No host sync, graph-safe: the expert ids are read on the device.
+no activation quantization, other shapes, no CUDA build); `moe_decode(...)` launches it, with the FFN's mHC post in
+its epilogue where `post_applies(...)` (the `moe_post` op). No host sync, graph-safe: the expert ids are read on the device.
 
 The decode router (dsv4/kernels/cuda/router.cu), 1-8 bf16 tokens: `router_applies(...)` / `router(...)`. One launch
 whose CTAs copy their gate rows into shared memory before waiting on the kernel that writes x (programmatic dependent
@@ -103,7 +104,7 @@ def router_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if not (weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.shape[1] == x.shape[1]):
         return False
     E, D = weight.shape
-    if not (E % 32 == 0 and 32 <= E <= ROUTER_MAX_E and D % 8 == 0 and D <= ROUTER_MAX_D
+    if not (E % 32 == 0 and 32 <= E <= ROUTER_MAX_E and D % 8 == 0 and 8 <= D <= ROUTER_MAX_D
             and 1 <= topk <= min(E, ROUTER_MAX_K) and func in ROUTER_FUNCS):
         return False
     if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 and t.device == x.device for t in (x, weight)):

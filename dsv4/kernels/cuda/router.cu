@@ -26,9 +26,9 @@ using dev::warp_max;
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kRows = 2;                        // gate rows per CTA
-// the dynamic shared memory stays under the 48 KB a launch gets without opting in
-static_assert(kRows * kRouterMaxD * 2 <= 48 * 1024 &&
-                  2 * kRouterMaxT * kRouterMaxE * 4 + kRouterMaxT * (kRouterMaxE / 32) * kRouterMaxK * 8 <= 48 * 1024,
+// dynamic shared memory, at most: the gate rows or the selection's arrays, whichever is larger (plus ~3 KB static)
+static_assert(kRows * kRouterMaxD * 2 <= 64 * 1024 &&
+                  2 * kRouterMaxT * kRouterMaxE * 4 + kRouterMaxT * (kRouterMaxE / 32) * kRouterMaxK * 8 <= 64 * 1024,
               "router smem");
 
 // router_ref's score of one logit; softmax needs the token's max m and sum s of expf(l - m)
@@ -65,7 +65,8 @@ __device__ __forceinline__ void select_all(const RouterArgs& a, float* sel, cons
     const int t = p / a.E, e = p - t * a.E;
     const float v = score(__ldcg(a.logits + p), a.func, a.func == 0 ? stat[0][t] : 0.0f, a.func == 0 ? stat[1][t] : 1.0f);
     sc[p] = v;
-    vb[p] = a.bias != nullptr ? v + sbias[e] : v;
+    const float b = a.bias != nullptr ? v + sbias[e] : v;
+    vb[p] = isnan(b) ? -INFINITY : b;  // ranked last: the ranks stay a permutation (a NaN compares false both ways)
   }
   __syncthreads();
   if (a.tid2eid == nullptr) {
@@ -204,6 +205,10 @@ cudaError_t router_launch(const RouterArgs& a, bool pdl, cudaStream_t stream) {
   const int grid = (a.E + kRows - 1) / kRows;
   // the gate rows, then the selection's scores, biased scores and candidates
   const int smem = max(kRows * a.D * 2, 2 * a.T * a.E * 4 + a.T * (a.E / 32) * a.k * 8);
+  // with the static arrays, past the 48 KB a launch gets without opting in at the largest shapes (8 tokens, 512
+  // experts, k >= 13)
+  const cudaError_t e = cudaFuncSetAttribute(router_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e != cudaSuccess) return e;
   return launch_pdl(router_kernel, dim3(grid), dim3(kThreads), smem, pdl, stream, a);
 }
 
