@@ -209,7 +209,7 @@ def test_compressors_and_indexer_run_on_a_side_stream_with_the_same_bits(kernels
     assert [m for name, m in calls if name == "step_plan"] == [False]  # once per step, beside the first layer
     assert sum(name == "compressor" and not m for name, m in calls) == 3
     assert all(not m for name, m in calls if name in ("indexer_scores", "topk_select"))
-    assert all(m for name, m in calls if name in ("sparse_attn", "q_norm_rope", "kv_norm_rope", "mhc_pre_norm"))
+    assert all(m for name, m in calls if name in ("sparse_attn", "qkv_norm_rope", "mhc_pre_norm"))
     # every branch is on a second stream, the plan's joined in the first layer's attention
     from dsv4.model.layers import SideBranch
 

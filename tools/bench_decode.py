@@ -110,7 +110,7 @@ CATEGORY = {
     "linear": "linear", "norm_linear": "linear", "wo_a": "linear", "head": "linear", "act_quant": "linear",
     "router": "moe", "moe_experts": "moe", "moe_post": "moe",
     "sparse_attn": "attention", "indexer_scores": "attention", "topk_select": "attention",
-    "compressor": "attention", "q_norm_rope": "attention", "kv_norm_rope": "attention", "rope": "attention",
+    "compressor": "attention", "qkv_norm_rope": "attention", "rope": "attention",
     "rotate_fp4": "attention",
     "mhc_pre": "mhc+norm", "mhc_post": "mhc+norm", "mhc_head": "mhc+norm", "rmsnorm": "mhc+norm",
     "rmsnorm_quant": "mhc+norm",

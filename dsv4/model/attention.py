@@ -115,14 +115,14 @@ class Attention(nn.Module):
                 idx_comp = plan.prefix_idx(self.spec.ratio, n).expand(B, -1, -1)
         q = q.unflatten(-1, (self.n_heads, self.head_dim))
         plan.ready()  # the step plan's kernels (built beside this layer so far, see Transformer.layer_step)
-        q = ops.q_norm_rope(q, cos, sin, self.eps, ref)
         nope = self.nope_dim if ref else 0
-        # the ring keeps the last W raw kv vectors, slot = position mod W
+        # the query's and kv's norm + RoPE in one op; the ring keeps the last W raw kv vectors, slot = position mod W
         if plan.ring_first:  # one token: normed straight into its slot, the ring is the whole window
-            ops.kv_norm_rope(kv, self.kv_norm.weight, self.eps, cos, sin, nope, st.window, plan.ring_slots)
+            q, _ = ops.qkv_norm_rope(q, kv, self.kv_norm.weight, self.eps, cos, sin, ref, nope, st.window,
+                                     plan.ring_slots)
             kv_win = st.window
         else:
-            kv = ops.kv_norm_rope(kv, self.kv_norm.weight, self.eps, cos, sin, nope)
+            q, kv = ops.qkv_norm_rope(q, kv, self.kv_norm.weight, self.eps, cos, sin, ref, nope)
             kv_win = torch.cat((st.window, kv), 1)  # ring (positions < start) ++ this chunk
         idx_win = plan.win_idx.expand(B, -1, -1)
         if self.compressor is not None:  # the last branch's join covers the earlier one (one side stream)

@@ -4,14 +4,18 @@ One launch each, one program per row (a token, or a token's head), the whole row
 - rmsnorm: fp32 statistic and scaling by the fp32-upcast weight, one rounding to the input dtype;
   rmsnorm_quant adds the rounded row's FP8 1x128 quantization (codes + power-of-two scales, act_quant_ref's);
 - rope: interleaved pairs on the last 2*len(cos) dims, fp32 math, inverse = conjugate;
-- q_norm_rope: the per-head unweighted RMS (under reference numerics the statistic is taken in the
-  activation dtype with its roundings: bf16(q*q), bf16(mean), bf16(rsqrt(bf16(mean + eps))), bf16(q*r)),
-  then RoPE;
-- kv_norm_rope: weighted RMSNorm, RoPE, then the FP8 simulation of the first `fp8_nope` dims in blocks
-  of 64 (amax floored at 1e-4, scale 2^ceil(log2(amax/448)) from the exponent bits, e4m3 RNE).
+- qkv_norm_rope: the attention's prologue in one launch, the query heads' rows then the kv rows:
+  the query's per-head unweighted RMS (under reference numerics the statistic is taken in the activation dtype
+  with its roundings: bf16(q*q), bf16(mean), bf16(rsqrt(bf16(mean + eps))), bf16(q*r)), then RoPE; kv's
+  weighted RMSNorm, RoPE, then the FP8 simulation of the first `fp8_nope` dims in blocks of 64 (amax floored at
+  1e-4, scale 2^ceil(log2(amax/448)) from the exponent bits, e4m3 RNE), optionally straight into the window ring.
+  On CUDA it is launched as a programmatic dependent (it waits on griddepcontrol before reading) where the
+  installed Triton supports it.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -19,6 +23,14 @@ import triton.language as tl
 
 from dsv4.ops.act_quant import QuantAct
 from dsv4.ops.triton_util import cast, e4m3_round, rope_pairs, round_to, ue8m0_scale
+
+try:  # programmatic dependent launch from Triton (griddepcontrol; DSV4_PDL=0 turns it off, as for the CUDA kernels)
+    from triton.backends.nvidia.compiler import CUDAOptions
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    PDL = "launch_pdl" in CUDAOptions.__dataclass_fields__ and os.environ.get("DSV4_PDL", "1") != "0"
+except ImportError:  # an older Triton: plain launches
+    PDL = False
 
 
 @triton.jit
@@ -70,9 +82,9 @@ def _rope_kernel(x_ptr, cs_ptr, sn_ptr, o_ptr, S, H, D, RD2: tl.constexpr, INVER
 
 
 @triton.jit
-def _q_norm_rope_kernel(x_ptr, cs_ptr, sn_ptr, o_ptr, S, H, D, eps, RD2: tl.constexpr, LOW: tl.constexpr,
-                        BLOCK: tl.constexpr):
-    r = tl.program_id(0)
+def _q_norm_rope_row(r, x_ptr, cs_ptr, sn_ptr, o_ptr, S, H, D, eps, RD2: tl.constexpr, LOW: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    # row r = (batch * S + token) * H + head of q: the per-head RMS (no weight), then RoPE
     t = (r // H) % S
     d = tl.arange(0, BLOCK)
     m = d < D
@@ -94,10 +106,10 @@ def _q_norm_rope_kernel(x_ptr, cs_ptr, sn_ptr, o_ptr, S, H, D, eps, RD2: tl.cons
 
 
 @triton.jit
-def _kv_norm_rope_kernel(x_ptr, w_ptr, cs_ptr, sn_ptr, o_ptr, slot_ptr, so_b, so_n, S, D, eps, NOPE: tl.constexpr,
-                         RD2: tl.constexpr, BLOCK: tl.constexpr, QB: tl.constexpr, NB_P: tl.constexpr,
-                         RING: tl.constexpr):
-    r = tl.program_id(0)
+def _kv_norm_rope_row(r, x_ptr, w_ptr, cs_ptr, sn_ptr, o_ptr, slot_ptr, so_b, so_n, S, D, eps, NOPE: tl.constexpr,
+                      RD2: tl.constexpr, BLOCK: tl.constexpr, QB: tl.constexpr, NB_P: tl.constexpr,
+                      RING: tl.constexpr):
+    # row r = batch * S + token of kv: kv_norm, RoPE, the FP8 simulation of the first NOPE dims; into the ring
     t = r % S
     if RING:  # row (b, t) goes to ring[b, slots[t]]
         ob = (r // S).to(tl.int64) * so_b + tl.load(slot_ptr + t).to(tl.int64) * so_n
@@ -123,6 +135,22 @@ def _kv_norm_rope_kernel(x_ptr, w_ptr, cs_ptr, sn_ptr, o_ptr, slot_ptr, so_b, so
         s, _ = ue8m0_scale(amax)
         q = e4m3_round(tl.clamp(v / s[:, None], -448.0, 448.0))
         tl.store(o_ptr + off, cast(q * s[:, None], o_ptr.dtype.element_ty), mask=bm)
+
+
+@triton.jit
+def _qkv_norm_rope_kernel(q_ptr, qo_ptr, kv_ptr, w_ptr, kvo_ptr, slot_ptr, so_b, so_n, cs_ptr, sn_ptr, NQ, S, H, DQ,
+                          DKV, eps, RD2: tl.constexpr, LOW: tl.constexpr, QBLOCK: tl.constexpr, NOPE: tl.constexpr,
+                          KVBLOCK: tl.constexpr, NB_P: tl.constexpr, RING: tl.constexpr, PDL: tl.constexpr):
+    # programs [0, NQ): the query heads' rows; [NQ, NQ + B * S): the kv rows (one launch for the attention's prologue)
+    if PDL:  # programmatic dependent launch: started early, wait for the kernel that writes q and kv
+        gdc_launch_dependents()
+        gdc_wait()
+    r = tl.program_id(0)
+    if r < NQ:
+        _q_norm_rope_row(r, q_ptr, cs_ptr, sn_ptr, qo_ptr, S, H, DQ, eps, RD2, LOW, QBLOCK)
+    else:
+        _kv_norm_rope_row(r - NQ, kv_ptr, w_ptr, cs_ptr, sn_ptr, kvo_ptr, slot_ptr, so_b, so_n, S, DKV, eps, NOPE,
+                          RD2, KVBLOCK, 64, NB_P, RING)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -176,47 +204,40 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = 
     return out
 
 
-def q_norm_rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
-                low_precision_stat: bool) -> torch.Tensor:
-    """q [B, S, H, D] -> per-head RMS-normalised (no weight) and RoPE'd q."""
-    if q.dim() != 4:
-        raise ValueError(f"q_norm_rope: q must be [B, S, H, D], got {tuple(q.shape)}")
-    _, S, H, D = q.shape
-    cs, sn = _tables(cos, sin, S)
-    q = _rows(q)
-    out = torch.empty_like(q)
-    _q_norm_rope_kernel[(q.numel() // D,)](q, cs, sn, out, S, H, D, eps, RD2=cs.shape[1],
-                                  LOW=low_precision_stat and q.dtype != torch.float32,
-                                  BLOCK=triton.next_power_of_2(D))
-    return out
-
-
-def kv_norm_rope(kv: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                 fp8_nope: int, ring: torch.Tensor | None = None, slots: torch.Tensor | None = None
-                 ) -> torch.Tensor | None:
-    """kv [B, S, D] -> kv_norm, RoPE, FP8 simulation of the first fp8_nope dims (0: none); with ring
-    [B, W, D] (kv's dtype, unit stride on D) and slots [S] int: written to ring[:, slots] instead, None returned
-    (slots distinct and within W: the caller's plan)."""
-    if kv.dim() != 3:
-        raise ValueError(f"kv_norm_rope: kv must be [B, S, D], got {tuple(kv.shape)}")
-    B, S, D = kv.shape
-    if fp8_nope % 64 or fp8_nope + 2 * cos.shape[-1] > D:
-        raise ValueError(f"kv_norm_rope: fp8_nope={fp8_nope} must be a multiple of 64 within D={D} minus RoPE")
+def qkv_norm_rope(q: torch.Tensor, kv: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.Tensor,
+                  sin: torch.Tensor, low_precision_stat: bool, fp8_nope: int, ring: torch.Tensor | None = None,
+                  slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """q [B, S, H, Dq], kv [B, S, Dkv] -> (q per-head RMS-normalised and RoPE'd, kv normed (weight w), RoPE'd and
+    FP8-simulated on its first fp8_nope dims (0: none)), one launch; with ring [B, W, Dkv] (kv's dtype, unit stride
+    on Dkv) and slots [S] int the kv rows go to ring[:, slots] instead and None is returned for them (slots distinct
+    and within W: the caller's plan)."""
+    if q.dim() != 4 or kv.dim() != 3 or kv.shape[:2] != q.shape[:2]:
+        raise ValueError(f"qkv_norm_rope: q must be [B, S, H, D] and kv [B, S, D], got {tuple(q.shape)} / "
+                         f"{tuple(kv.shape)}")
+    B, S, H, DQ = q.shape
+    DKV = kv.shape[2]
+    if fp8_nope % 64 or fp8_nope + 2 * cos.shape[-1] > DKV:
+        raise ValueError(f"qkv_norm_rope: fp8_nope={fp8_nope} must be a multiple of 64 within D={DKV} minus RoPE")
     if (ring is None) != (slots is None):
-        raise ValueError("kv_norm_rope: ring and slots come together")
-    if ring is not None and (ring.dim() != 3 or ring.shape[0] != B or ring.shape[2] != D or ring.dtype != kv.dtype
+        raise ValueError("qkv_norm_rope: ring and slots come together")
+    if ring is not None and (ring.dim() != 3 or ring.shape[0] != B or ring.shape[2] != DKV or ring.dtype != kv.dtype
                              or ring.stride(2) != 1 or ring.device != kv.device or slots.shape != (S,)
                              or slots.dtype not in (torch.int32, torch.int64) or slots.device != kv.device):
-        raise ValueError(f"kv_norm_rope: ring must be [B={B}, W, D={D}] {kv.dtype} with unit stride on D and slots "
-                         f"int [S={S}] on kv's device, got {ring.dtype}{tuple(ring.shape)} / "
+        raise ValueError(f"qkv_norm_rope: ring must be [B={B}, W, D={DKV}] {kv.dtype} with unit stride on D and "
+                         f"slots int [S={S}] on kv's device, got {ring.dtype}{tuple(ring.shape)} / "
                          f"{slots.dtype}{tuple(slots.shape)}")
     cs, sn = _tables(cos, sin, S)
-    kv = _rows(kv)
-    out = torch.empty_like(kv) if ring is None else ring
+    q, kv = _rows(q), _rows(kv)
+    qo = torch.empty_like(q)
+    kvo = torch.empty_like(kv) if ring is None else ring
     so_b, so_n = (0, 0) if ring is None else (ring.stride(0), ring.stride(1))
-    _kv_norm_rope_kernel[(kv.numel() // D,)](kv, w, cs, sn, out, cs if slots is None else slots, so_b, so_n, S, D,
-                                             eps, NOPE=fp8_nope, RD2=cs.shape[1],
-                                             BLOCK=triton.next_power_of_2(D), QB=64,
-                                             NB_P=triton.next_power_of_2(max(fp8_nope // 64, 1)),
-                                             RING=ring is not None)
-    return None if ring is not None else out
+    nq = q.numel() // DQ
+    pdl = PDL and q.is_cuda
+    _qkv_norm_rope_kernel[(nq + B * S,)](q, qo, kv, w, kvo, cs if slots is None else slots, so_b, so_n, cs, sn, nq, S,
+                                         H, DQ, DKV, eps, RD2=cs.shape[1],
+                                         LOW=low_precision_stat and q.dtype != torch.float32,
+                                         QBLOCK=triton.next_power_of_2(DQ), NOPE=fp8_nope,
+                                         KVBLOCK=triton.next_power_of_2(DKV),
+                                         NB_P=triton.next_power_of_2(max(fp8_nope // 64, 1)), RING=ring is not None,
+                                         PDL=pdl, **({"launch_pdl": True} if pdl else {}))
+    return qo, (None if ring is not None else kvo)

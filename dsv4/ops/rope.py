@@ -8,6 +8,7 @@ dtype under reference numerics, as DeepSeek computes it in bf16; fp32 otherwise)
 `kv_norm_rope_ref`: kv_norm (weighted RMSNorm), RoPE, then the FP8 simulation of the no-RoPE dims
 (block 64, power-of-two scales) under reference numerics; given a ring and slots, the rows go straight
 into the ring (the decode step's window insert) and nothing is returned.
+`qkv_norm_rope_ref`: both, on one chunk's query and kv (the attention's prologue, one op and one launch).
 """
 
 from __future__ import annotations
@@ -54,6 +55,14 @@ def kv_norm_rope_ref(kv: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.T
     return None
 
 
+def qkv_norm_rope_ref(q: torch.Tensor, kv: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.Tensor,
+                      sin: torch.Tensor, low_precision_stat: bool, fp8_nope: int, ring: torch.Tensor | None = None,
+                      slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(q_norm_rope_ref(q, ...), kv_norm_rope_ref(kv, w, ...)): kv's rows None where they went into the ring."""
+    return (q_norm_rope_ref(q, cos, sin, eps, low_precision_stat),
+            kv_norm_rope_ref(kv, w, eps, cos, sin, fp8_nope, ring, slots))
+
+
 def register_ops(register) -> None:
     try:
         from dsv4.ops import norm_rope_triton as fast
@@ -61,7 +70,5 @@ def register_ops(register) -> None:
         fast = None
     register("rope", rope_ref, getattr(fast, "rope", None), interpretable=True,
              doc="interleaved RoPE on the last dims (and its inverse)")
-    register("q_norm_rope", q_norm_rope_ref, getattr(fast, "q_norm_rope", None), interpretable=True,
-             doc="per-head RMS of q + RoPE")
-    register("kv_norm_rope", kv_norm_rope_ref, getattr(fast, "kv_norm_rope", None), interpretable=True,
-             doc="kv_norm + RoPE + FP8 KV simulation")
+    register("qkv_norm_rope", qkv_norm_rope_ref, getattr(fast, "qkv_norm_rope", None), interpretable=True,
+             doc="per-head RMS of q + RoPE, kv_norm + RoPE + FP8 KV simulation (+ ring insert), one launch")

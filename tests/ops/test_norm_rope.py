@@ -1,6 +1,6 @@
 """Fast norm / RoPE ops (dsv4/ops/norm_rope_triton.py) against their references: interpreted on the CPU at
-small shapes, Flash shapes on a GPU; both statistic precisions of q_norm_rope, the FP8 KV simulation on
-and off, odd row counts, the inverse rotation."""
+small shapes, Flash shapes on a GPU; both statistic precisions of the query's norm, the FP8 KV simulation on
+and off, odd row counts, the inverse rotation, the attention prologue's ring insert."""
 
 import pytest
 import torch
@@ -8,7 +8,7 @@ import torch
 from dsv4.model.layers import Rope
 from dsv4.ops.act_quant import QuantAct, act_quant_sim_ref, quant_act_ref
 from dsv4.ops.norm import rmsnorm_quant_ref, rmsnorm_ref
-from dsv4.ops.rope import kv_norm_rope_ref, q_norm_rope_ref, rope_ref
+from dsv4.ops.rope import kv_norm_rope_ref, q_norm_rope_ref, qkv_norm_rope_ref, rope_ref
 from dsv4.testing import assert_bitwise_equal, assert_close_rel
 
 CUDA = torch.cuda.is_available()
@@ -48,38 +48,59 @@ def test_fast_matches_reference(B, S, H, D, rd, dtype):
     assert_close_rel(fast.rmsnorm(x, w, 1e-6), rmsnorm_ref(x, w, 1e-6), name)
     for inv in (False, True):
         assert_close_rel(fast.rope(x, cos, sin, inv), rope_ref(x, cos, sin, inv), name)
+    kv = x[:, :, 0] * 2 + 1  # the attention's kv row: another row than any head of q
+    nope = D - rd if (D - rd) % 64 == 0 else 0
     for low in (False, True):
         stat = "op_bf16_stat" if low and dtype == torch.bfloat16 else name
-        assert_close_rel(fast.q_norm_rope(x, cos, sin, 1e-6, low), q_norm_rope_ref(x, cos, sin, 1e-6, low), stat)
-    kv = x[:, :, 0]
-    nope = D - rd if (D - rd) % 64 == 0 else 0
-    for fp8 in sorted({0, nope}):
-        assert_close_rel(fast.kv_norm_rope(kv, w, 1e-6, cos, sin, fp8), kv_norm_rope_ref(kv, w, 1e-6, cos, sin, fp8),
-                         name)
+        for fp8 in sorted({0, nope}):
+            q_out, kv_out = fast.qkv_norm_rope(x, kv, w, 1e-6, cos, sin, low, fp8)
+            assert_close_rel(q_out, q_norm_rope_ref(x, cos, sin, 1e-6, low), stat)
+            assert_close_rel(kv_out, kv_norm_rope_ref(kv, w, 1e-6, cos, sin, fp8), name)
+            ref_q, ref_kv = qkv_norm_rope_ref(x, kv, w, 1e-6, cos, sin, low, fp8)
+            assert_close_rel(q_out, ref_q, stat)
+            assert_close_rel(kv_out, ref_kv, name)
+
+
+def test_qkv_norm_rope_other_kv_width():
+    # the query's and kv's rows of different widths in one launch (the kv row's block is its own power of two)
+    fast = _fast()
+    x, w, cos, sin = _case(1, 3, 4, 128, 32, torch.bfloat16, seed=11)
+    kv = torch.randn(1, 3, 96, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).to(DEV)
+    w96 = w[:96].contiguous()
+    q_out, kv_out = fast.qkv_norm_rope(x, kv, w96, 1e-6, cos, sin, True, 64)
+    assert_close_rel(q_out, q_norm_rope_ref(x, cos, sin, 1e-6, True), "op_bf16_stat")
+    assert_close_rel(kv_out, kv_norm_rope_ref(kv, w96, 1e-6, cos, sin, 64), "op_bf16_out")
+    with pytest.raises(ValueError, match="q must be"):
+        fast.qkv_norm_rope(x, kv[:, :2], w96, 1e-6, cos, sin, True, 64)
+    with pytest.raises(ValueError, match="fp8_nope"):
+        fast.qkv_norm_rope(x, kv, w96, 1e-6, cos, sin, True, 32)
 
 
 @pytest.mark.parametrize("B,S,W", [(1, 1, 128), (2, 1, 16), (1, 3, 8)])
 def test_kv_norm_rope_into_the_ring(B, S, W):
     # the decode step's window insert in the same launch: row s lands in ring[:, slots[s]], bit for bit the rows
-    # the op returns without a ring; every other slot untouched; the reference does the same through index_copy_
+    # the op returns without a ring; every other slot untouched; the query's rows as without a ring; the reference
+    # does the same through index_copy_
     fast = _fast()
-    x, w, cos, sin = _case(B, S, 1, 128, 64, torch.bfloat16, seed=B + S + W)
+    x, w, cos, sin = _case(B, S, 2, 128, 64, torch.bfloat16, seed=B + S + W)
     kv = x[:, :, 0]
     slots = torch.randperm(W, generator=torch.Generator().manual_seed(W))[:S].to(DEV)
     for fp8 in (0, 64):
-        rows = fast.kv_norm_rope(kv, w, 1e-6, cos, sin, fp8)
+        q_rows, rows = fast.qkv_norm_rope(x, kv, w, 1e-6, cos, sin, True, fp8)
         ring = torch.randn(B, W, 128, generator=torch.Generator().manual_seed(fp8)).to(torch.bfloat16).to(DEV)
         want = ring.clone()
         want[:, slots] = rows
-        assert fast.kv_norm_rope(kv, w, 1e-6, cos, sin, fp8, ring, slots) is None
+        q_out, none = fast.qkv_norm_rope(x, kv, w, 1e-6, cos, sin, True, fp8, ring, slots)
+        assert none is None
         assert torch.equal(ring, want), "ring rows"
+        assert torch.equal(q_out, q_rows), "query rows"
         ref_ring = ring.clone()
-        assert kv_norm_rope_ref(kv, w, 1e-6, cos, sin, fp8, ref_ring, slots.long()) is None
+        assert qkv_norm_rope_ref(x, kv, w, 1e-6, cos, sin, True, fp8, ref_ring, slots.long())[1] is None
         assert_close_rel(ring, ref_ring, "op_bf16_out")
     with pytest.raises(ValueError, match="ring and slots come together"):
-        fast.kv_norm_rope(kv, w, 1e-6, cos, sin, 0, ring, None)
+        fast.qkv_norm_rope(x, kv, w, 1e-6, cos, sin, True, 0, ring, None)
     with pytest.raises(ValueError, match="ring must be"):
-        fast.kv_norm_rope(kv, w, 1e-6, cos, sin, 0, ring.float(), slots)
+        fast.qkv_norm_rope(x, kv, w, 1e-6, cos, sin, True, 0, ring.float(), slots)
 
 
 @pytest.mark.parametrize("M,D", [(1, 1024), (5, 1024), (3, 1536), (4, 128)] if not CUDA else
