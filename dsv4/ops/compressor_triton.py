@@ -13,6 +13,9 @@ power of two finish through reference ops after the pool):
    simulation of the row (dsv4/ops/hadamard_triton.py's helpers, bit for bit rotate_fp4_ref), and the insert at
    the window's entry. It reads the complete scratch row, so the bits do not depend on which program is last. A
    window that stays open leaves its entry row as it is.
+The kernel runs beside the layer's large GEMVs, whose weight streams make every dependent round trip to memory
+slow, so it keeps those few: all loads issued up front, the new state written from registers, the finished row kept
+in registers from its scratch load to its one store.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ def _pool_kernel(c_ptr, g_ptr, ape_ptr, kv_ptr, sc_ptr, e_ptr, start_ptr, C, d, 
                  R: tl.constexpr, OVERLAP: tl.constexpr, RP: tl.constexpr, BLOCK: tl.constexpr,
                  RD2: tl.constexpr, NOPE: tl.constexpr, NB_P: tl.constexpr, QUANT: tl.constexpr,
                  ROW: tl.constexpr, LOG2D: tl.constexpr, HSCALE: tl.constexpr):
+    # Every load is issued at the start and every result is stored from registers: the step runs beside the layer's
+    # large GEMVs, whose streams make each dependent round trip to memory slow
     b = tl.program_id(0)
     ch = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     cm = ch < d
@@ -51,22 +56,30 @@ def _pool_kernel(c_ptr, g_ptr, ape_ptr, kv_ptr, sc_ptr, e_ptr, start_ptr, C, d, 
     HB: tl.constexpr = 1 if OVERLAP else 0  # CSA: this window's values are the B halves (columns d..2d)
     base = kv_ptr + b * (2 * R if OVERLAP else R) * C
     sbase = sc_ptr + b * (2 * R if OVERLAP else R) * C
+    m2 = rm[:, None] & cm[None, :]
+    # the window's half (B for CSA): the open rows before the token, the token's projection (+ ape) at its slot
     col = ch + HB * d
     st_off = (OFF + rows[:, None]) * C + col[None, :]
-    m2 = rm[:, None] & cm[None, :]
     old_v = tl.load(base + st_off, mask=m2, other=0.0)
     old_g = tl.load(sbase + st_off, mask=m2, other=float("-inf"))
     new_v = tl.load(c_ptr + b * C + col, mask=cm, other=0.0)
     new_g = tl.load(g_ptr + b * C + col, mask=cm, other=0.0) + tl.load(ape_ptr + k0 * C + col, mask=cm, other=0.0)
-    is_new = (rows == k0)[:, None]
-    before = (rows < k0)[:, None]
-    v = tl.where(is_new, new_v[None, :], tl.where(before, old_v, 0.0))
-    gt = tl.where(is_new, new_g[None, :], tl.where(before, old_g, float("-inf")))
-    gt = tl.where(m2, gt, float("-inf"))
-    if OVERLAP:  # the previous window's A halves (state rows 0..R-1, columns 0..d) join the softmax
+    if OVERLAP:  # CSA: the open rows' A halves (state only) and the previous window's A halves (in the softmax)
+        a_off = (OFF + rows[:, None]) * C + ch[None, :]
+        old_va = tl.load(base + a_off, mask=m2, other=0.0)
+        old_ga = tl.load(sbase + a_off, mask=m2, other=float("-inf"))
+        new_va = tl.load(c_ptr + b * C + ch, mask=cm, other=0.0)
+        new_ga = tl.load(g_ptr + b * C + ch, mask=cm, other=0.0) + tl.load(ape_ptr + k0 * C + ch, mask=cm,
+                                                                         other=0.0)
         p_off = rows[:, None] * C + ch[None, :]
         pv = tl.load(base + p_off, mask=m2, other=0.0)
         pg = tl.load(sbase + p_off, mask=m2, other=float("-inf"))
+    is_new = (rows == k0)[:, None]
+    before = (rows < k0)[:, None]
+    v = tl.where(is_new, new_v[None, :], tl.where(before, old_v, 0.0))
+    gs = tl.where(is_new, new_g[None, :], tl.where(before, old_g, float("-inf")))  # the state's (unmasked)
+    gt = tl.where(m2, gs, float("-inf"))
+    if OVERLAP:  # the previous window's A halves join the softmax
         mx = tl.maximum(tl.max(gt, axis=0), tl.max(pg, axis=0))
         ex = tl.exp(gt - mx[None, :])
         ep = tl.exp(pg - mx[None, :])
@@ -77,24 +90,23 @@ def _pool_kernel(c_ptr, g_ptr, ape_ptr, kv_ptr, sc_ptr, e_ptr, start_ptr, C, d, 
         ex = tl.exp(gt - mx[None, :])
         e = tl.sum(v * (ex / tl.sum(ex, axis=0)[None, :]), axis=0)
     tl.store(e_ptr + b * d + ch, e, mask=cm)
-    # ---- the new state: the open rows as assembled (all C columns: this program's A and B columns)
+    # ---- the new state: the open rows as assembled (all C columns: this program's A and B columns); CSA: the window
+    # becomes the previous one when it closes
     closes = k0 == R - 1
-    for h in tl.static_range(2 if OVERLAP else 1):
-        colh = ch + h * d
-        ov = tl.load(base + (OFF + rows[:, None]) * C + colh[None, :], mask=m2, other=0.0)
-        og = tl.load(sbase + (OFF + rows[:, None]) * C + colh[None, :], mask=m2, other=float("-inf"))
-        nv = tl.load(c_ptr + b * C + colh, mask=cm, other=0.0)
-        ng = tl.load(g_ptr + b * C + colh, mask=cm, other=0.0) + tl.load(ape_ptr + k0 * C + colh, mask=cm,
-                                                                        other=0.0)
-        wv = tl.where(is_new, nv[None, :], tl.where(before, ov, 0.0))
-        wg = tl.where(is_new, ng[None, :], tl.where(before, og, float("-inf")))
-        tl.debug_barrier()
-        tl.store(base + (OFF + rows[:, None]) * C + colh[None, :], wv, mask=m2)
-        tl.store(sbase + (OFF + rows[:, None]) * C + colh[None, :], wg, mask=m2)
-        if OVERLAP:
-            if closes:  # the closed window becomes the previous one
-                tl.store(base + rows[:, None] * C + colh[None, :], wv, mask=m2)
-                tl.store(sbase + rows[:, None] * C + colh[None, :], wg, mask=m2)
+    tl.debug_barrier()  # (every load of the state above is done before it is overwritten)
+    tl.store(base + st_off, v, mask=m2)
+    tl.store(sbase + st_off, gs, mask=m2)
+    if OVERLAP:
+        va = tl.where(is_new, new_va[None, :], tl.where(before, old_va, 0.0))
+        ga = tl.where(is_new, new_ga[None, :], tl.where(before, old_ga, float("-inf")))
+        tl.store(base + a_off, va, mask=m2)
+        tl.store(sbase + a_off, ga, mask=m2)
+        if closes:
+            prev_b = rows[:, None] * C + col[None, :]
+            tl.store(base + p_off, va, mask=m2)
+            tl.store(sbase + p_off, ga, mask=m2)
+            tl.store(base + prev_b, v, mask=m2)
+            tl.store(sbase + prev_b, gs, mask=m2)
     if QUANT >= 0 and closes:  # the row's last program to arrive finishes it (the whole scratch row is written)
         tl.debug_barrier()  # every thread's scratch values are stored before the (release) arrival
         arrived = tl.atomic_add(cnt_ptr + b, 1, sem="acq_rel")
@@ -108,7 +120,8 @@ def _pool_kernel(c_ptr, g_ptr, ape_ptr, kv_ptr, sc_ptr, e_ptr, start_ptr, C, d, 
 def _finish_row(e_ptr, w_ptr, cos_ptr, sin_ptr, ent_ptr, b, pos, d, n_rows, eps, n_pos,
                 R: tl.constexpr, RD2: tl.constexpr, NOPE: tl.constexpr, NB_P: tl.constexpr,
                 QUANT: tl.constexpr, BLOCK: tl.constexpr, LOG2D: tl.constexpr, HSCALE: tl.constexpr):
-    # the closed window's entry (its pooled row in e_ptr): norm, RoPE, quantization simulation, insert
+    # the closed window's entry (its pooled row in e_ptr): norm, RoPE, quantization simulation, insert; the row stays
+    # in registers (one load, one store), each step rounded to the entries' dtype as the reference stores it
     DT: tl.constexpr = ent_ptr.dtype.element_ty
     w = pos // R
     row = tl.minimum(w, n_rows - 1)
@@ -118,35 +131,30 @@ def _finish_row(e_ptr, w_ptr, cos_ptr, sin_ptr, ent_ptr, b, pos, d, n_rows, eps,
     x = round_to(tl.load(e_ptr + b * d + i, mask=m, other=0.0, cache_modifier=".cg"), DT)  # e.to(dtype)
     x = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / d + eps))
     y = cast(tl.load(w_ptr + i, mask=m, other=0.0).to(tl.float32) * x, DT)
-    tl.store(out + i, y, mask=m)
-    tl.debug_barrier()
-    # RoPE at the window's first position w * R
+    # RoPE at the window's first position w * R on the pairs (2j, 2j + 1) of the last 2 RD2 dims
     p = tl.minimum(w * R, n_pos - 1)
-    j = tl.arange(0, RD2)
-    a = tl.load(out + d - 2 * RD2 + 2 * j).to(tl.float32)
-    bb = tl.load(out + d - 2 * RD2 + 2 * j + 1).to(tl.float32)
-    cs = tl.load(cos_ptr + p * RD2 + j)
-    sn = tl.load(sin_ptr + p * RD2 + j)
-    tl.debug_barrier()
-    tl.store(out + d - 2 * RD2 + 2 * j, cast(a * cs - bb * sn, DT))
-    tl.store(out + d - 2 * RD2 + 2 * j + 1, cast(a * sn + bb * cs, DT))
+    ya, yb = tl.split(tl.reshape(y, (BLOCK // 2, 2)))
+    pair = tl.arange(0, BLOCK // 2)
+    j = pair - (d // 2 - RD2)
+    rot = (j >= 0) & (pair < d // 2)
+    cs = tl.load(cos_ptr + p * RD2 + j, mask=rot, other=0.0)
+    sn = tl.load(sin_ptr + p * RD2 + j, mask=rot, other=0.0)
+    a = ya.to(tl.float32)
+    bb = yb.to(tl.float32)
+    ya = tl.where(rot, cast(a * cs - bb * sn, DT), ya)
+    yb = tl.where(rot, cast(a * sn + bb * cs, DT), yb)
+    y = tl.reshape(tl.join(ya, yb), (BLOCK,))
     if QUANT == 2:  # the indexer's keys: Hadamard rotation + FP4 simulation of the whole row (d a power of 2)
-        tl.debug_barrier()
-        r = tl.load(out + i[None, :]).to(tl.float32)
-        r = round_to(hadamard_rows(r, 1, BLOCK, LOG2D) * HSCALE, DT)
-        tl.debug_barrier()
+        r = round_to(hadamard_rows(y.to(tl.float32)[None, :], 1, BLOCK, LOG2D) * HSCALE, DT)
         tl.store(out + i[None, :], cast(fp4_sim_rows(r, 1, BLOCK), DT))
-    if QUANT == 1:  # FP8-simulate the no-RoPE dims in blocks of 64
-        tl.debug_barrier()
-        nb = tl.arange(0, NB_P)
-        k = tl.arange(0, 64)
-        bm = (nb < NOPE // 64)[:, None]
-        off = nb[:, None] * 64 + k[None, :]
-        v = tl.load(out + off, mask=bm, other=0.0).to(tl.float32)
-        s, _ = ue8m0_scale(tl.max(tl.abs(v), axis=1))
-        q = e4m3_round(tl.minimum(tl.maximum(v / s[:, None], -448.0), 448.0))
-        tl.debug_barrier()
-        tl.store(out + off, cast(q * s[:, None], DT), mask=bm)
+    else:
+        if QUANT == 1:  # FP8-simulate the no-RoPE dims in blocks of 64
+            v = tl.reshape(y.to(tl.float32), (BLOCK // 64, 64))
+            s, _ = ue8m0_scale(tl.max(tl.abs(v), axis=1))
+            q = e4m3_round(tl.minimum(tl.maximum(v / s[:, None], -448.0), 448.0))
+            nope = (tl.arange(0, BLOCK // 64) < NOPE // 64)[:, None]
+            y = tl.reshape(tl.where(nope, cast(q * s[:, None], DT), tl.reshape(y, (BLOCK // 64, 64))), (BLOCK,))
+        tl.store(out + i, y, mask=m)
 
 
 def compressor(c: torch.Tensor, g: torch.Tensor, ape: torch.Tensor, norm_w: torch.Tensor, eps: float,
