@@ -169,15 +169,15 @@ def make_fast_linear(linear_triton):
                 and x.dtype in (torch.bfloat16, torch.float32) and out_dtype in (torch.bfloat16, torch.float32)):
             x2 = linear_triton._rows(x, w.k, "linear")
             gemv = linear_cuda.applies(x2, w, bool(act_quant), out_dtype)
-            splits = None if gemv else linear_cuda.gemm_choice(x2, w, bool(act_quant), out_dtype)
-            if gemv or splits:
+            plan = None if gemv else linear_cuda.gemm_choice(x2, w, bool(act_quant), out_dtype)
+            if gemv or plan:
                 linear_triton._check_weight(w, x.device)
                 out = torch.empty((*x.shape[:-1], w.n), dtype=out_dtype, device=x.device)
                 if w.n:
                     if gemv:
                         linear_cuda.gemv(x2, w, out.view(-1, w.n))
                     else:
-                        linear_cuda.gemm(x2, w, out.view(-1, w.n), splits, pre)
+                        linear_cuda.gemm(x2, w, out.view(-1, w.n), plan.splits, pre, plan.bn)
                 return out
         return linear_triton.linear(x, w, act_quant, out_dtype, pre)
 

@@ -9,10 +9,10 @@ the shape (deterministic; measured on an H200 with tools/bench_ops.py, docs/perf
 thread-block cluster and is reduced in rank order: same input, same bits.
 
 The prefill path (dsv4/kernels/cuda/gemm.cu) on FP8 block-scaled weights with bf16 out: one launch quantizes x
-(act_quant), a second runs TMA + FP8 wgmma over 128 x 128 output tiles on a persistent grid, with K split S ways and
-the fp32 partials summed in split order where the tiles alone leave SMs idle. `gemm_applies` says whether it can run a
-call, `gemm_choice` whether the fast `linear` runs it there (and with which S: GEMM_TUNED, measured against Triton),
-`gemm(x2, w, out, splits)` launches it. The MMA accumulates each 128-K block on the tensor cores
+(act_quant), a second runs TMA + FP8 wgmma over 128 x 128 or 128 x 64 output tiles on a persistent grid, with K split S
+ways and the fp32 partials summed in split order where the tiles alone leave SMs idle. `gemm_applies` says whether it
+can run a call, `gemm_choice` whether the fast `linear` runs it there (and with which plan: GEMM_TUNED, measured against
+Triton), `gemm(x2, w, out, splits, pre, bn)` launches it. The MMA accumulates each 128-K block on the tensor cores
 (op_fp8_mma_bf16_out in dsv4/testing.py), as Triton's FP8 dot does.
 """
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -196,19 +197,35 @@ def wo_a(o2: torch.Tensor, w8: PreparedLinear, groups: int, out: torch.Tensor,
 # below: the GEMV (1-8 tokens) or the Triton kernels, as fast or faster there (H200, M = 16 / 32 / 64: wq_b 13.1 /
 # 17.1 / 17.8 us Triton vs 18.2 / 18.4 / 17.4 CUDA; wo_b 26.5 / 20.0 / 20.9 vs 23.2 / 21.8 / 22.4; docs/performance.md)
 GEMM_MIN_M = 96
-# (N, K) -> splits of K, for the shapes where the CUDA GEMM beat the Triton kernel at M = 128 (H200, act_quant + GEMM,
-# every split timed, docs/performance.md twelfth pass; Triton in the same session). Where a tile's S CTAs fit the GPU
-# as clusters (gemm_cluster_fit: 66 of 2, 30 of 4, 15 of 8 on an H200) the partials meet in distributed shared memory;
-# wo_b's 32 tiles of 4 do not fit and go through the workspace. shared.w2 (4096 x 2048) ties Triton (11.0 vs 10.8 us)
-# and stays there, like any other shape unless its tiles alone fill half the SMs (the regime of wq_b)
-GEMM_TUNED: dict[tuple[int, int], int] = {
-    (32768, 1024): 1,  # wq_b: 16.4 us (Triton 22.0)
-    (40960, 1024): 1,  # wq_b || indexer wq_b (CSA layers): 22.3 us (Triton 29.7)
-    (4096, 8192): 4,  # wo_b: 20.0 us (Triton 25.5); S = 2: 23.5, S = 8: 26.5
-    (1536, 4096): 8,  # wq_a || wkv: 10.7 us, clusters of 8 (Triton 13.4)
-    (2048, 4096): 4,  # the shared expert's w1 / w3 shape: 11.2 us, clusters of 4 (Triton 13.8)
-    (8192, 1024): 1,  # indexer wq_b alone: 8.5 us (Triton 9.7-9.8, sixth pass)
+
+
+class GemmPlan(NamedTuple):
+    """How the CUDA GEMM runs a call: `splits` of K per output tile, tiles of 128 rows x `bn` (128 or 64) columns."""
+
+    splits: int
+    bn: int = 128
+
+
+# (N, K) -> plan, for the shapes where the CUDA GEMM beat the Triton kernel at M = 128 (H200, act_quant + GEMM, every
+# (splits, bn) timed, docs/performance.md twenty-fifth pass; Triton in the same session). Where a tile's S CTAs fit the
+# GPU as clusters (gemm_cluster_fit: 66 of 2, 30 of 4, 15 of 8 on an H200) the partials meet in distributed shared
+# memory, else in the workspace. 64-wide tiles double the tiles (wo_b's 32 x 4 units did not fit as clusters, its 64 x 2
+# do) and overlap each block's MMAs with the previous block's promotion; where the 128-wide tiles alone fill the GPU
+# (wq_b) they stay faster. Any other shape runs Triton unless its tiles alone fill half the SMs (the regime of wq_b)
+GEMM_TUNED: dict[tuple[int, int], GemmPlan] = {
+    (32768, 1024): GemmPlan(1),  # wq_b: 16.3-16.9 us (bn 64: 19.4; Triton 22.0)
+    (40960, 1024): GemmPlan(1),  # wq_b || indexer wq_b (CSA layers): 22.1 us (bn 64: 23.1; Triton 29.7)
+    (4096, 8192): GemmPlan(2, 64),  # wo_b: 17.7-18.3 us, clusters of 2 (128 wide, S = 4, workspace: 20.0-20.4)
+    (1536, 4096): GemmPlan(4, 64),  # wq_a || wkv: 9.5 us, clusters of 4 (128 wide, S = 8: 11.0)
+    (2048, 4096): GemmPlan(4),  # the shared expert's w1 / w3 shape: 11.2 us, clusters of 4 (bn 64, S = 2: 11.1)
+    (4096, 2048): GemmPlan(1, 64),  # the shared expert's w2 shape: 8.8 us (128 wide: 11.3; Triton 10.8)
+    (8192, 1024): GemmPlan(1, 64),  # indexer wq_b alone: 8.0 us (128 wide: 8.6; Triton 9.7)
 }
+
+
+def gemm_tiles(M: int, N: int, bn: int = 128) -> int:
+    """Output tiles of the CUDA GEMM: 128 rows x `bn` columns."""
+    return -(-M // 128) * -(-N // bn)
 
 
 @functools.lru_cache(maxsize=None)
@@ -229,36 +246,38 @@ def gemm_applies(x2: torch.Tensor, w: PreparedLinear, act_quant: bool, out_dtype
     return cuda_kernels.load() is not None
 
 
-def gemm_choice(x2: torch.Tensor, w: PreparedLinear, act_quant: bool, out_dtype: torch.dtype) -> int | None:
-    """The splits the fast `linear` runs this call with on the CUDA GEMM, or None where another kernel is faster
+def gemm_choice(x2: torch.Tensor, w: PreparedLinear, act_quant: bool, out_dtype: torch.dtype) -> GemmPlan | None:
+    """The plan the fast `linear` runs this call with on the CUDA GEMM, or None where another kernel is faster
     (fewer than GEMM_MIN_M rows, a shape outside GEMM_TUNED whose tiles do not fill half the SMs) or it cannot run."""
     M = x2.shape[0]
     if M < GEMM_MIN_M or not gemm_applies(x2, w, act_quant, out_dtype):
         return None
-    s = GEMM_TUNED.get((w.n, w.k))
-    tiles = -(-M // 128) * -(-w.n // 128)
-    if s is not None:
-        # measured at M = 128; more rows give more tiles: fewer splits while neither their clusters nor their units
-        # fit the GPU at once
-        while s > 1 and tiles > cluster_fit(_index(x2), s) and tiles * s > _sms(_index(x2)):
+    plan = GEMM_TUNED.get((w.n, w.k))
+    if plan is not None:
+        # measured at M = 128; more rows give more tiles: 128-wide ones once the 64-wide ones alone fill the SMs, and
+        # fewer splits while neither their clusters nor their units fit the GPU at once
+        if plan.bn == 64 and gemm_tiles(M, w.n, 64) > _sms(_index(x2)):
+            plan = plan._replace(bn=128)
+        s, tiles = plan.splits, gemm_tiles(M, w.n, plan.bn)
+        while s > 1 and tiles > cluster_fit(_index(x2), s, plan.bn) and tiles * s > _sms(_index(x2)):
             s //= 2
-        return s
-    return 1 if 2 * tiles >= _sms(_index(x2)) else None
+        return plan._replace(splits=s)
+    return GemmPlan(1) if 2 * gemm_tiles(M, w.n) >= _sms(_index(x2)) else None
 
 
-_CLUSTER_FIT: dict[tuple[int, int], int] = {}
+_CLUSTER_FIT: dict[tuple[int, int, int], int] = {}
 
 
-def cluster_fit(index: int, splits: int) -> int:
-    """Clusters of `splits` GEMM CTAs device `index` holds at once: split-K goes through a cluster where every output
-    tile's fits, else through the workspace (gemm.cu). Cached per device; a failed occupancy query counts as 0 (the
-    workspace) this time and is asked again next time."""
-    key = (index, splits)
+def cluster_fit(index: int, splits: int, bn: int = 128) -> int:
+    """Clusters of `splits` GEMM CTAs (tiles `bn` wide) device `index` holds at once: split-K goes through a cluster
+    where every output tile's fits, else through the workspace (gemm.cu). Cached per device; a failed occupancy query
+    counts as 0 (the workspace) this time and is asked again next time."""
+    key = (index, splits, bn)
     n = _CLUSTER_FIT.get(key)
     if n is None:
         try:
             with torch.cuda.device(index):
-                n = int(cuda_kernels.load().gemm_cluster_fit(splits))
+                n = int(cuda_kernels.load().gemm_cluster_fit(splits, bn))
         except RuntimeError:
             return 0
         _CLUSTER_FIT[key] = n
@@ -268,7 +287,7 @@ def cluster_fit(index: int, splits: int) -> int:
 def gemm_splits(M: int, N: int, K: int, sms: int) -> int:
     """Default splits of K per output tile (shapes outside GEMM_TUNED, tests): doubled (up to 8) while the work units
     still fit the SMs in one wave and every split keeps >= 2 blocks of K; 1 when the tiles alone fill half the SMs."""
-    tiles = -(-M // 128) * -(-N // 128)
+    tiles = gemm_tiles(M, N)
     kb = K // 128
     s = 1
     while s < 8 and tiles * 2 * s <= sms and kb >= 4 * s:
@@ -288,24 +307,25 @@ def _counters(device: torch.device) -> torch.Tensor:
 
 
 def gemm(x2: torch.Tensor, w: PreparedLinear, out: torch.Tensor, splits: int | None = None,
-         pre: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-    """out[M, N] (bf16) = act_quant(x2) @ W^T on FP8 weights (see gemm_applies); `splits` overrides gemm_splits.
-    `pre`: act_quant(x2) already made (e4m3 codes [M, K], fp32 scales [M, K / 128], contiguous), no launch for it."""
+         pre: tuple[torch.Tensor, torch.Tensor] | None = None, bn: int = 128) -> None:
+    """out[M, N] (bf16) = act_quant(x2) @ W^T on FP8 weights (see gemm_applies), in tiles of 128 rows x `bn` (128 or
+    64) columns; `splits` overrides gemm_splits. `pre`: act_quant(x2) already made (e4m3 codes [M, K], fp32 scales
+    [M, K / 128], contiguous), no launch for it."""
     mod = cuda_kernels.load()
     M, K = x2.shape
     sms = _sms(_index(x2))
     s = splits or gemm_splits(M, w.n, w.k, sms)
-    tiles = -(-M // 128) * -(-w.n // 128)
+    tiles = gemm_tiles(M, w.n, bn)
     if stream_role(x2.device) == "side":
         # the workspace path's units wait for each other and assume the whole grid resident: beside a workspace
         # launch on the main stream, each could hold SMs the other waits for. On the side stream: clusters or S = 1
-        while s > 1 and tiles > cluster_fit(_index(x2), s):
+        while s > 1 and tiles > cluster_fit(_index(x2), s, bn):
             s //= 2
     part = cnt = None
-    if s > 1 and tiles > cluster_fit(_index(x2), s):  # else the partials meet in the clusters' shared memory
+    if s > 1 and tiles > cluster_fit(_index(x2), s, bn):  # else the partials meet in the clusters' shared memory
         if tiles > MAX_SPLIT_TILES:
             raise ValueError(f"linear_cuda.gemm: split-K over {tiles} tiles (at most {MAX_SPLIT_TILES})")
-        part = torch.empty(tiles * s * 128 * 128, dtype=torch.float32, device=x2.device)
+        part = torch.empty(tiles * s * 128 * bn, dtype=torch.float32, device=x2.device)
         cnt = _counters(x2.device)
     if pre is not None:
         xq, xs = pre
@@ -313,4 +333,4 @@ def gemm(x2: torch.Tensor, w: PreparedLinear, out: torch.Tensor, splits: int | N
         xq = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x2.device)
         xs = torch.empty((M, K // 128), dtype=torch.float32, device=x2.device)
         mod.act_quant(x2, xq, xs, PDL)
-    mod.gemm_fp8(xq, xs, w.weight, w.scale, out, s, sms, part, cnt, PDL)
+    mod.gemm_fp8(xq, xs, w.weight, w.scale, out, s, bn, sms, part, cnt, PDL)

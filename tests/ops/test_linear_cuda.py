@@ -174,7 +174,7 @@ def test_fast_linear_routes_decode_here(monkeypatch):
     assert_close_rel(fast(x, wq_b, True, torch.float32), linear_ref(x, wq_b, True, torch.float32), "op_fp32_out")
     assert calls == [("gemv", 1), ("gemv", 8), ("gemm", 128), ("gemm", 96), ("gemm", 128)]
     assert linear_cuda.gemm_choice(_x(128, 8192, torch.bfloat16, 4), _weight("fp8", 4096, 8192, seed=11), True,
-                                   torch.bfloat16) == 4  # wo_b: split 4 ways
+                                   torch.bfloat16) == linear_cuda.GEMM_TUNED[(4096, 8192)]  # wo_b: as tuned
 
 
 # ---- the grouped wo_a on its FP8 weight (bf16 x, no activation quantization) ----
@@ -289,15 +289,15 @@ def test_wo_a_graph_replay_equals_eager():
 
 # ---- the prefill GEMM (gemm.cu) ----
 
-def _gemm(x, w, splits=None):
+def _gemm(x, w, splits=None, bn=128):
     out = torch.empty(x.shape[0], w.n, dtype=torch.bfloat16, device="cuda")
-    _lc().gemm(x, w, out, splits)
+    _lc().gemm(x, w, out, splits, None, bn)
     return out
 
 
-def _check_gemm(x, w, splits=None):
+def _check_gemm(x, w, splits=None, bn=128):
     assert _lc().gemm_applies(x, w, True, torch.bfloat16)  # it can run here (gemm_choice may still prefer Triton)
-    y = _gemm(x, w, splits)
+    y = _gemm(x, w, splits, bn)
     # e4m3 products are exact; the tensor cores accumulate each 128-K block at reduced precision (DeepGEMM's
     # pattern, promoted to fp32 per block): the FP8-MMA tolerance
     assert_close_rel(y, linear_ref(x, w, True, torch.bfloat16), "op_fp8_mma_bf16_out")
@@ -308,35 +308,46 @@ def _check_gemm(x, w, splits=None):
 @pytest.mark.parametrize("m", [9, 128])
 def test_gemm_flash_shapes(n, k, m):
     w = _weight("fp8", n, k, seed=n + k + m)
-    _check_gemm(_x(m, k, torch.bfloat16, seed=m), w)
+    x = _x(m, k, torch.bfloat16, seed=m)
+    plan = _lc().GEMM_TUNED.get((n, k))
+    _check_gemm(x, w)
+    if plan is not None and m == 128:  # the tuned plan, as the fast linear runs it
+        _check_gemm(x, w, plan.splits, plan.bn)
 
 
+@pytest.mark.parametrize("bn", [128, 64])
 @pytest.mark.parametrize("m,n,k", [(9, 8, 128), (17, 200, 384), (64, 136, 1280), (130, 264, 1024),
-                                   (300, 128, 256), (128, 4096, 1024)])
-def test_gemm_odd_shapes_every_split(m, n, k):
+                                   (300, 128, 256), (128, 4096, 1024), (33, 72, 512)])
+def test_gemm_odd_shapes_every_split(m, n, k, bn):
+    # tiles of 128 rows x bn columns: a narrow last column tile (N % bn), rows past M, every split, one 64-wide
+    # tile sharing its 128-row weight-scale block with its neighbour
     w = _weight("fp8", n, k, seed=7 * m + n + k)
     x = _x(m, k, torch.bfloat16, seed=m + k)
     for splits in sorted({1, 2, 4, 8, _lc().gemm_splits(m, n, k, 132)}):
         if splits > k // 128:
             continue
-        y = _check_gemm(x, w, splits)
-        assert_bitwise_equal(_gemm(x, w, splits), y, f"rerun splits={splits}")
+        y = _check_gemm(x, w, splits, bn)
+        assert_bitwise_equal(_gemm(x, w, splits, bn), y, f"rerun splits={splits}")
+        if bn == 64:  # same products and sums, tiled twice as finely: the same bits
+            assert_bitwise_equal(y, _gemm(x, w, splits, 128), f"bn 64 vs 128, splits={splits}")
 
 
-def test_gemm_split_k_cluster_and_workspace_paths_agree_bitwise():
+@pytest.mark.parametrize("bn", [128, 64])
+def test_gemm_split_k_cluster_and_workspace_paths_agree_bitwise(bn):
     # split-K runs through a thread-block cluster when every tile's cluster of S CTAs fits the GPU at once, else
     # through the global workspace; both sum the same partials in split order. Tiles are independent, so the first
     # `fit` column tiles of a GEMM one tile too wide for clusters must equal the GEMM of exactly `fit` tiles bit for bit
     mod = cuda_kernels.load()
     for s in (2, 4, 8):
-        fit = mod.gemm_cluster_fit(s)
+        fit = mod.gemm_cluster_fit(s, bn)
         if fit == 0:
             pytest.skip(f"no cluster of {s} GEMM CTAs fits this GPU")
-        w = _weight("fp8", (fit + 1) * 128, 1024, seed=50 + s)
+        w = _weight("fp8", (fit + 1) * bn, 1024, seed=50 + s)
         x = _x(100, 1024, torch.bfloat16, seed=60 + s)
-        wide = _check_gemm(x, w, s)  # fit + 1 tiles: the workspace
-        narrow = PreparedLinear("fp8", fit * 128, 1024, w.weight[: fit * 128].contiguous(), w.scale[:fit].contiguous())
-        assert_bitwise_equal(_gemm(x, narrow, s), wide[:, : fit * 128], f"cluster vs workspace, splits={s}")
+        wide = _check_gemm(x, w, s, bn)  # fit + 1 tiles: the workspace
+        rows = fit * bn
+        narrow = PreparedLinear("fp8", rows, 1024, w.weight[:rows].contiguous(), w.scale[: -(-rows // 128)].contiguous())
+        assert_bitwise_equal(_gemm(x, narrow, s, bn), wide[:, :rows], f"cluster vs workspace, splits={s}")
 
 
 def test_gemm_split_k_workspace_only_where_the_clusters_do_not_fit():
@@ -344,9 +355,11 @@ def test_gemm_split_k_workspace_only_where_the_clusters_do_not_fit():
     # without it, with a one-line reason; gemm_cluster_fit takes the splits gemm_fp8 takes
     mod = cuda_kernels.load()
     with pytest.raises(RuntimeError, match="splits must be 1, 2, 4 or 8"):
-        mod.gemm_cluster_fit(3)
-    assert mod.gemm_cluster_fit(1) == 0
-    s, fit = 2, mod.gemm_cluster_fit(2)
+        mod.gemm_cluster_fit(3, 128)
+    with pytest.raises(RuntimeError, match="bn .output tile columns. must be 128 or 64"):
+        mod.gemm_cluster_fit(2, 96)
+    assert mod.gemm_cluster_fit(1, 128) == 0
+    s, fit = 2, mod.gemm_cluster_fit(2, 128)
     if fit == 0:
         pytest.skip("no cluster of 2 GEMM CTAs fits this GPU")
     x = _x(64, 1024, torch.bfloat16, seed=81)
@@ -358,10 +371,12 @@ def test_gemm_split_k_workspace_only_where_the_clusters_do_not_fit():
     ref = _gemm(x, wide, s)
     narrow = PreparedLinear("fp8", fit * 128, 1024, wide.weight[: fit * 128].contiguous(), wide.scale[:fit].contiguous())
     out = torch.empty(64, fit * 128, dtype=torch.bfloat16, device="cuda")
-    mod.gemm_fp8(xq, xs, narrow.weight, narrow.scale, out, s, sms, None, None, False)
+    mod.gemm_fp8(xq, xs, narrow.weight, narrow.scale, out, s, 128, sms, None, None, False)
     assert_bitwise_equal(out, ref[:, : fit * 128], "cluster path without a workspace vs the workspace path")
     with pytest.raises(RuntimeError, match="needs a contiguous fp32 workspace"):
-        mod.gemm_fp8(xq, xs, wide.weight, wide.scale, ref, s, sms, None, None, False)
+        mod.gemm_fp8(xq, xs, wide.weight, wide.scale, ref, s, 128, sms, None, None, False)
+    with pytest.raises(RuntimeError, match="bn .output tile columns. must be 128 or 64"):
+        mod.gemm_fp8(xq, xs, narrow.weight, narrow.scale, out, s, 32, sms, None, None, False)
 
 
 def test_gemm_on_the_side_stream_never_takes_the_workspace_path():
@@ -375,7 +390,7 @@ def test_gemm_on_the_side_stream_never_takes_the_workspace_path():
     w = _weight("fp8", 4096, 8192, seed=90)
     x = _x(128, 8192, torch.bfloat16, seed=91)
     s = 4
-    while s > 1 and 32 > mod.gemm_cluster_fit(s):
+    while s > 1 and 32 > mod.gemm_cluster_fit(s, 128):
         s //= 2
     want = _gemm(x, w, s)
     torch.cuda.synchronize()  # x and w made on the main stream
@@ -386,25 +401,28 @@ def test_gemm_on_the_side_stream_never_takes_the_workspace_path():
 
 
 def test_gemm_choice_fewer_splits_when_more_rows_overflow_the_gpu():
-    # GEMM_TUNED's splits were measured at 128 rows; at 256 rows wq_a || wkv has 24 tiles: their clusters of 8 do not
-    # fit at once (15 on an H200) nor do their 192 units fit one CTA per SM, so fewer splits run
+    # GEMM_TUNED's plans were measured at 128 rows; with more rows wq_a || wkv has more tiles: 128-wide ones once the
+    # 64-wide ones alone outnumber the SMs, and fewer splits while neither the tiles' clusters (30 of 4 on an H200)
+    # nor their units (one CTA per SM) fit at once
     lc = _lc()
     w = _weight("fp8", 1536, 4096, seed=70)
     dev = torch.cuda.current_device()
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    tuned = lc.GEMM_TUNED[(1536, 4096)]
     for m in (128, 256, 1024):
-        s = lc.gemm_choice(_x(m, 4096, torch.bfloat16, seed=m), w, True, torch.bfloat16)
-        tiles = -(-m // 128) * 12
-        tuned = lc.GEMM_TUNED[(1536, 4096)]
-        assert s in (1, 2, 4, 8) and s <= tuned
+        plan = lc.gemm_choice(_x(m, 4096, torch.bfloat16, seed=m), w, True, torch.bfloat16)
+        s = plan.splits
+        assert plan.bn == (tuned.bn if lc.gemm_tiles(m, 1536, tuned.bn) <= sms else 128), (m, plan)
+        tiles = lc.gemm_tiles(m, 1536, plan.bn)
+        assert s in (1, 2, 4, 8) and s <= tuned.splits
 
         def fits(n):  # the tiles' clusters of n fit at once, or their units fit one CTA per SM
-            return tiles <= lc.cluster_fit(dev, n) or tiles * n <= sms
+            return tiles <= lc.cluster_fit(dev, n, plan.bn) or tiles * n <= sms
         assert s == 1 or fits(s), (m, s)
-        assert s == tuned or not fits(2 * s), (m, s)  # the most splits that fit: halved no further than needed
+        assert s == tuned.splits or not fits(2 * s), (m, s)  # the most splits that fit: halved no further than needed
         if m == 128:
-            assert s == 8
-    assert s < tuned  # 1024 rows (96 tiles) do not keep the 8 splits measured at 128
+            assert plan == tuned
+    assert s < tuned.splits and plan.bn == 128  # 1024 rows (96 tiles of 128) keep neither the bn nor the splits
 
 
 @pytest.mark.parametrize("m,n,k", [(128, 32768, 1024), (128, 40960, 1024), (128, 4096, 8192), (37, 264, 1536)])

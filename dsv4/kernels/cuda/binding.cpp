@@ -228,10 +228,11 @@ void act_quant(const at::Tensor& x, at::Tensor& q, at::Tensor& s, bool pdl) {
 }
 
 // out [M, N] bf16 = (xq [M, K] e4m3 * xs [M, K / 128]) @ (w [N, K] e4m3 * ws [ceil(N / 128), K / 128])^T
-// splits > 1 where the tiles' clusters do not fit the GPU at once (gemm_cluster_fit): part [>= tiles * splits * 128 *
-// 128] fp32 workspace, counters [>= 2 tiles] int32, zero (left zero); elsewhere both may be None
+// in output tiles of 128 rows x bn (128 or 64) columns; splits > 1 where the tiles' clusters do not fit the GPU at once
+// (gemm_cluster_fit): part [>= tiles * splits * 128 * bn] fp32 workspace, counters [>= 2 tiles] int32, zero (left
+// zero); elsewhere both may be None
 void gemm_fp8(const at::Tensor& xq, const at::Tensor& xs, const at::Tensor& w, const at::Tensor& ws, at::Tensor& out,
-              int64_t splits, int64_t ctas, const c10::optional<at::Tensor>& part,
+              int64_t splits, int64_t bn, int64_t ctas, const c10::optional<at::Tensor>& part,
               const c10::optional<at::Tensor>& counters, bool pdl) {
   TORCH_CHECK(xq.is_cuda() && xs.is_cuda() && w.is_cuda() && ws.is_cuda() && out.is_cuda(),
               "gemm_fp8: tensors must be on CUDA");
@@ -253,15 +254,17 @@ void gemm_fp8(const at::Tensor& xq, const at::Tensor& xs, const at::Tensor& w, c
               "gemm_fp8: xq and w must be 16-byte aligned");
   TORCH_CHECK((splits == 1 || splits == 2 || splits == 4 || splits == 8) && (K / 128) >= splits,
               "gemm_fp8: splits must be 1, 2, 4 or 8 (each sums 128 / splits rows of a tile), at most K / 128");
+  TORCH_CHECK(bn == 128 || bn == 64, "gemm_fp8: bn (output tile columns) must be 128 or 64");
   TORCH_CHECK(ctas >= 1, "gemm_fp8: ctas must be >= 1");
-  const int64_t tiles = ((M + 127) / 128) * ((N + 127) / 128);
+  const int64_t tiles = ((M + 127) / 128) * ((N + bn - 1) / bn);
   const c10::cuda::CUDAGuard guard(xq.device());
   // split-K through clusters where every tile's fits (no workspace), else through the workspace
-  const bool workspace = splits > 1 && tiles > dsv4::gemm_cluster_fit(static_cast<int>(splits));
+  const bool workspace =
+      splits > 1 && tiles > dsv4::gemm_cluster_fit(static_cast<int>(splits), static_cast<int>(bn));
   if (workspace) {
     DSV4_CHECK(part.has_value() && part->is_cuda() && part->scalar_type() == at::kFloat && part->is_contiguous() &&
-                    part->numel() >= tiles * splits * 128 * 128,
-                "gemm_fp8: split-K over %lld tiles needs a contiguous fp32 workspace of tiles * splits * 128 * 128 "
+                    part->numel() >= tiles * splits * 128 * bn,
+                "gemm_fp8: split-K over %lld tiles needs a contiguous fp32 workspace of tiles * splits * 128 * bn "
                 "(its clusters do not fit the GPU at once, or their occupancy query failed)", static_cast<long long>(tiles));
     TORCH_CHECK(counters.has_value() && counters->is_cuda() && counters->scalar_type() == at::kInt &&
                     counters->is_contiguous() && counters->numel() >= 2 * tiles,
@@ -272,6 +275,7 @@ void gemm_fp8(const at::Tensor& xq, const at::Tensor& xs, const at::Tensor& w, c
   a.xs = xs.data_ptr<float>();
   a.w = static_cast<const uint8_t*>(w.data_ptr());
   a.ws = ws.data_ptr<float>();
+  a.bn = static_cast<int>(bn);
   a.out = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
   a.so = out.stride(0);
   a.M = static_cast<int>(M);
@@ -288,11 +292,12 @@ void gemm_fp8(const at::Tensor& xq, const at::Tensor& xs, const at::Tensor& w, c
 }
 }  // namespace
 
-// clusters of `splits` GEMM CTAs the current device holds at once: split-K runs through a cluster where every output
-// tile's fits (0: never, and for splits = 1); an error when the occupancy query fails
-int64_t gemm_cluster_fit(int64_t splits) {
+// clusters of `splits` GEMM CTAs (tiles `bn` wide) the current device holds at once: split-K runs through a cluster
+// where every output tile's fits (0: never, and for splits = 1); an error when the occupancy query fails
+int64_t gemm_cluster_fit(int64_t splits, int64_t bn) {
   TORCH_CHECK(splits == 1 || splits == 2 || splits == 4 || splits == 8, "gemm_cluster_fit: splits must be 1, 2, 4 or 8");
-  const int n = dsv4::gemm_cluster_fit(static_cast<int>(splits));
+  TORCH_CHECK(bn == 128 || bn == 64, "gemm_cluster_fit: bn (output tile columns) must be 128 or 64");
+  const int n = dsv4::gemm_cluster_fit(static_cast<int>(splits), static_cast<int>(bn));
   DSV4_CHECK(n >= 0, "gemm_cluster_fit: the cluster occupancy query failed for %d-CTA clusters", static_cast<int>(splits));
   return n;
 }

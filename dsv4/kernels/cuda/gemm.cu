@@ -4,14 +4,16 @@
 // launch before the GEMM), the tensor cores accumulate the exact e4m3 x e4m3 products of one 128-K block, and the
 // block's sum is promoted to fp32 with the product of its two scales and added in ascending block order.
 //
-// gemm_fp8_kernel, a persistent grid (at most one CTA per SM) over work units = 128 x 128 output tiles x S splits of
-// K. One producer thread streams 128-row x 128-byte tiles of xq and W through a ring of kStages stages with TMA
-// (128-byte swizzle: the layout wgmma reads through its descriptors); two consumer warpgroups each run 64 rows x 128
-// columns as four m64n128k32 wgmma per stage, then promote. Stage hand-off is one mbarrier pair per stage (full: the
-// TMA bytes landed; empty: both consumer warpgroups' MMAs on it are complete, one arrival each: 256 arrivals cost ~80 ns
-// a stage). The producer runs ahead into the next unit while
-// the consumers finish one. setmaxnreg moves registers from the producer warpgroup to the consumers (their two
-// 64-float accumulator sets spilled under the 168-register cap of a 384-thread CTA).
+// gemm_fp8_kernel<BN>, a persistent grid (at most one CTA per SM) over work units = 128 x BN output tiles (BN = 128 or
+// 64) x S splits of K. One producer thread streams 128-byte-wide tiles of xq (128 rows) and W (BN rows) through a ring
+// of kStages stages with TMA (128-byte swizzle: the layout wgmma reads through its descriptors); two consumer
+// warpgroups each run 64 rows x BN columns as four m64nBNk32 wgmma per stage, then promote. Stage hand-off is one
+// mbarrier pair per stage (full: the TMA bytes landed; empty: both consumer warpgroups' MMAs on it are complete, one
+// arrival each: 256 arrivals cost ~80 ns a stage). The producer runs ahead into the next unit while the consumers
+// finish one. setmaxnreg moves registers from the producer warpgroup to the consumers (their accumulator sets spilled
+// under the 168-register cap of a 384-thread CTA). At BN = 64 a consumer keeps two accumulator sets: block kb's MMAs
+// run while block kb - 1's sum is promoted (one wgmma group in flight; waiting for each block's MMAs before promoting
+// it cost wo_b ~2.5 us of 20); at BN = 128 the third 64-float set spills, so each block is waited for.
 // - S == 1: the bf16 tile goes out through shared memory as whole 16-byte chunks (4-byte stores straight from the
 //   MMA fragments left half-written 32-byte sectors: ~7 us of wq_b's 20 at M = 128).
 // - S > 1, where the tiles' clusters of S CTAs fit the GPU at once (cluster): the S units of a tile run on the S CTAs
@@ -36,26 +38,37 @@ namespace {
 using dev::griddep_launch_dependents;
 using dev::griddep_wait;
 
-constexpr int kTile = 128;                     // BM = BN = BK
+constexpr int kTile = 128;                     // BM = BK (and the weights' 128 x 128 scale blocks)
 constexpr int kConsumers = 2;                  // warpgroups of 64 rows
 constexpr int kThreads = 128 * (kConsumers + 1);
-constexpr int kStages = 4;  // 5 or 6 stages measured slower (docs/performance.md, twenty-first pass)
-constexpr int kTileBytes = kTile * kTile;      // one e4m3 operand tile
-constexpr int kStageBytes = 2 * kTileBytes;    // A + B
-constexpr int kOutStageBytes = 64 * kTile * 2;  // a consumer warpgroup's bf16 out rows (S == 1)
-constexpr int kPartPitch = kTile + 8;           // fp32 partial rows (S > 1): 8 floats of padding spread the banks
-constexpr int kPartBytes = kTile * kPartPitch * 4;
-// the S == 1 out tile has its own staging (the producer fills the ring with the next unit meanwhile); the cluster
-// path's fp32 partial reuses the ring (one unit per CTA: every copy has landed and been read by then)
-constexpr int kStagingBytes = kConsumers * kOutStageBytes;
-static_assert(kPartBytes <= kStages * kStageBytes, "the cluster partial must fit the ring");
+constexpr int kTileBytes = kTile * kTile;      // the activation's e4m3 tile (128 rows x 128 bytes)
 // registers per thread after setmaxnreg: 128 x 40 + 256 x 232 <= 64K
 constexpr int kProducerRegs = 40;
 constexpr int kConsumerRegs = 232;
 // the pool setmaxnreg redistributes is what the launch allocated: the 384 threads' share, in multiples of 8
 static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= (65536 / kThreads) / 8 * 8 * kThreads,
               "setmaxnreg: more registers than the CTA holds");
-constexpr int kSmemBytes = kStages * kStageBytes + kStagingBytes + 16 * kStages + 16 + 1024;
+
+// an output tile of 128 rows x BN columns (BN = 128 or 64: a 64-wide tile gives twice the tiles, so a split-K whose
+// clusters of S = 4 at BN = 128 do not fit the GPU fits as clusters of 2)
+template <int BN>
+struct TileCfg {
+  static_assert(BN == 128 || BN == 64, "BN is 128 or 64");
+  static constexpr int kAcc = BN / 2;                   // fp32 accumulators per consumer thread (64 x BN / 128)
+  static constexpr int kBBytes = BN * kTile;            // the weight's e4m3 tile
+  static constexpr int kStageBytes = kTileBytes + kBBytes;
+  // 4 stages at BN = 128 (5 or 6 measured slower, docs/performance.md twenty-first pass); 8 at BN = 64 keep the same
+  // weight bytes in flight per SM
+  static constexpr int kStages = BN == 128 ? 4 : 8;
+  static constexpr int kOutStageBytes = 64 * BN * 2;     // a consumer warpgroup's bf16 out rows (S == 1)
+  static constexpr int kPartPitch = BN + 8;              // fp32 partial rows (S > 1): 8 floats of padding spread the banks
+  static constexpr int kPartBytes = kTile * kPartPitch * 4;
+  // the S == 1 out tile has its own staging (the producer fills the ring with the next unit meanwhile); the cluster
+  // path's fp32 partial reuses the ring (one unit per CTA: every copy has landed and been read by then)
+  static constexpr int kStagingBytes = kConsumers * kOutStageBytes;
+  static_assert(kPartBytes <= kStages * kStageBytes, "the cluster partial must fit the ring");
+  static constexpr int kSmemBytes = kStages * kStageBytes + kStagingBytes + 16 * kStages + 16 + 1024;
+};
 
 // ---- mbarrier, TMA, wgmma (PTX) ----
 
@@ -130,6 +143,7 @@ __device__ __forceinline__ uint64_t desc_sw128(uint32_t saddr) {
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
 
 #define DSV4_ACC8(i) \
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
@@ -150,12 +164,32 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], uint64_t d
         DSV4_ACC8(56)
       : "l"(da), "l"(db), "r"(accumulate));
 }
+
+// the same for B[64 x k32]: d[32], j < 8
+__device__ __forceinline__ void wgmma_m64n64k32_e4m3(float (&d)[32], uint64_t da, uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "%32, %33, p, 1, 1;\n}\n"
+      : DSV4_ACC8(0), DSV4_ACC8(8), DSV4_ACC8(16), DSV4_ACC8(24)
+      : "l"(da), "l"(db), "r"(accumulate));
+}
+
+__device__ __forceinline__ void wgmma_e4m3(float (&d)[64], uint64_t da, uint64_t db, int accumulate) {
+  wgmma_m64n128k32_e4m3(d, da, db, accumulate);
+}
+__device__ __forceinline__ void wgmma_e4m3(float (&d)[32], uint64_t da, uint64_t db, int accumulate) {
+  wgmma_m64n64k32_e4m3(d, da, db, accumulate);
+}
 #undef DSV4_ACC8
 
 // keeps the compiler from reading an accumulator before wgmma.wait_group has returned
-__device__ __forceinline__ void fence_acc(float (&d)[64]) {
+template <int N>
+__device__ __forceinline__ void fence_acc(float (&d)[N]) {
 #pragma unroll
-  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
 // ---- activation quantization: one warp per (row, 128-block), 4 values per lane ----
@@ -201,14 +235,14 @@ __global__ void __launch_bounds__(256) act_quant_kernel(const ActQuantArgs a) {
 
 // ---- the GEMM ----
 
-// work unit u: output tile u / S (m fastest), 128-K blocks [kb0, kb1) of split u % S
+// work unit u: output tile u / S (m fastest; 128 rows x BN columns), 128-K blocks [kb0, kb1) of split u % S
 struct Unit {
   int tile, split, m0, n0, kb0, kb1;
-  __device__ Unit(const GemmFp8Args& a, int u, int tiles_m, int kb_n) {
+  __device__ Unit(const GemmFp8Args& a, int u, int tiles_m, int kb_n, int bn) {
     tile = u / a.S;
     split = u % a.S;
     m0 = (tile % tiles_m) * kTile;
-    n0 = (tile / tiles_m) * kTile;
+    n0 = (tile / tiles_m) * bn;
     const int per = (kb_n + a.S - 1) / a.S;
     kb0 = min(split * per, kb_n);  // an empty split (K / 128 not a multiple of S): kb0 == kb1 == kb_n
     kb1 = min(kb_n, kb0 + per);
@@ -226,20 +260,24 @@ __device__ __forceinline__ void wg_bar(int wg) {
   }
 }
 
+template <int BN>
 __global__ void __launch_bounds__(kThreads, 1)
     gemm_fp8_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                     const GemmFp8Args a) {
+  using C = TileCfg<BN>;
+  constexpr int kStages = C::kStages, kStageBytes = C::kStageBytes, kAcc = C::kAcc, kPartPitch = C::kPartPitch;
+  constexpr int kJ = BN / 8;  // 8-column groups of a consumer thread's fragment
   extern __shared__ unsigned char smem_raw[];
   // the swizzle atoms must be 1024-byte aligned
   unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   unsigned char* staging = smem + kStages * kStageBytes;  // the bf16 out tile (S == 1)
   const uint32_t ring = smem_addr(smem);
-  const uint32_t full0 = smem_addr(staging + kStagingBytes);  // full[s] = full0 + 8 s, empty[s] = empty0 + 8 s
+  const uint32_t full0 = smem_addr(staging + C::kStagingBytes);  // full[s] = full0 + 8 s, empty[s] = empty0 + 8 s
   const uint32_t empty0 = full0 + 8 * kStages;
 
   const int wg = threadIdx.x >> 7;
   const int tiles_m = (a.M + kTile - 1) / kTile;
-  const int units = tiles_m * ((a.N + kTile - 1) / kTile) * a.S;
+  const int units = tiles_m * ((a.N + BN - 1) / BN) * a.S;
   const int kb_n = a.K / kTile;
 
   if (threadIdx.x == 0) {
@@ -260,7 +298,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       tma_prefetch_map(&map_b);
       int pre = 0;  // the first unit's leading stages: weights before the wait, activations after
       if (static_cast<int>(blockIdx.x) < units) {
-        const Unit w(a, blockIdx.x, tiles_m, kb_n);
+        const Unit w(a, blockIdx.x, tiles_m, kb_n, BN);
         pre = min(w.kb1 - w.kb0, kStages);
         for (int i = 0; i < pre; ++i) {
           mbar_expect_tx(full0 + 8 * i, kStageBytes);
@@ -270,7 +308,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       griddep_wait();
       int it = 0;
       for (int u = blockIdx.x; u < units; u += gridDim.x) {
-        const Unit w(a, u, tiles_m, kb_n);
+        const Unit w(a, u, tiles_m, kb_n, BN);
         for (int kb = w.kb0; kb < w.kb1; ++kb, ++it) {
           const int s = it % kStages;
           const uint32_t full = full0 + 8 * s, dst = ring + s * kStageBytes;
@@ -298,54 +336,100 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int r_wg = warp * 16 + (lane >> 2);  // the thread's first row in the warpgroup's 64 (second: + 8)
     const int r_in = wg * 64 + r_wg;            // ... in the tile
     const int c_in = 2 * (lane & 3);            // its first column in every 8-column group
-    unsigned char* stg = staging + wg * kOutStageBytes;
+    unsigned char* stg = staging + wg * C::kOutStageBytes;
     float* cpart = reinterpret_cast<float*>(smem);  // S > 1 through a cluster: this rank's fp32 partial (the ring)
-    float acc[64], tot[64];
-#pragma unroll
-    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+    // at BN = 64 two accumulator sets: block kb's MMAs run on the tensor cores while block kb - 1's sum is promoted. At
+    // BN = 128 one set, each block waited for: a second 64-float set spills (~600 bytes, with setmaxnreg at 232 or
+    // 240), and the tile's two 64-column halves alternating in flight measured slower (wq_b 16.3-16.9 -> 18.4 us:
+    // ptxas serialises those MMAs, C7514, and every A tile is read twice)
+    constexpr bool kPipe = BN == 64;
+    float acc0[kAcc], acc1[kPipe ? kAcc : 1], tot[kAcc];
     int it = 0;
     for (int u = blockIdx.x; u < units; u += gridDim.x) {
-      const Unit w(a, u, tiles_m, kb_n);
-      const bool active = w.m0 + wg * 64 < a.M;  // a warpgroup wholly past M skips its MMAs
+      const Unit w(a, u, tiles_m, kb_n, BN);
+      // rows past M (a last tile of M % 128 rows) multiply the zeros TMA fills in and are never stored: every
+      // warpgroup runs every MMA, as a conditional wgmma in flight across a branch is serialised by the compiler
       const float* xs0 = a.xs + static_cast<long long>(min(w.m0 + r_in, a.M - 1)) * kb_n;
       const float* xs1 = a.xs + static_cast<long long>(min(w.m0 + r_in + 8, a.M - 1)) * kb_n;
-      const float* wsr = a.ws + static_cast<long long>(w.n0 / kTile) * kb_n;
+      const float* wsr = a.ws + static_cast<long long>(w.n0 / kTile) * kb_n;  // the weight's 128-row scale block
 #pragma unroll
-      for (int i = 0; i < 64; ++i) tot[i] = 0.0f;
-      const int k0 = min(w.kb0, kb_n - 1);  // an empty split (kb0 == kb1 == kb_n) reads no scale past K
-      float sa0 = __ldg(xs0 + k0), sa1 = __ldg(xs1 + k0), sb = __ldg(wsr + k0);
-      for (int kb = w.kb0; kb < w.kb1; ++kb, ++it) {
-        const int s = it % kStages;
-        const int kn = min(kb + 1, w.kb1 - 1);  // the next block's scales, loaded while this one multiplies
-        const float na0 = __ldg(xs0 + kn), na1 = __ldg(xs1 + kn), nb = __ldg(wsr + kn);
-        mbar_wait(full0 + 8 * s, (it / kStages) & 1);
-        if (active) {
-          const uint32_t sa = ring + s * kStageBytes + wg * 64 * kTile;
-          const uint64_t da = desc_sw128(sa), db = desc_sw128(ring + s * kStageBytes + kTileBytes);
-          wgmma_fence();
+      for (int i = 0; i < kAcc; ++i) tot[i] = 0.0f;
+      struct Block {  // a block of K in flight: its ring stage and its two scale products
+        int s;
+        float f0, f1;
+      };
+      // the stage of block kb0 + i, once landed, and the block's two scale products
+      auto begin = [&](int i) {
+        const int kb = w.kb0 + i, s = it++ % kStages;
+        const float sb = __ldg(wsr + kb);
+        const Block b{s, __ldg(xs0 + kb) * sb, __ldg(xs1 + kb) * sb};
+        mbar_wait(full0 + 8 * s, ((it - 1) / kStages) & 1);
+        return b;
+      };
+      // stage s's four MMAs into d (64 x BN), committed as one group
+      auto issue = [&](float (&d)[kAcc], int s) {
+        const uint32_t st = ring + s * kStageBytes;
+        const uint64_t da = desc_sw128(st + wg * 64 * kTile), db = desc_sw128(st + kTileBytes);
+        fence_acc(d);
+        wgmma_fence();
 #pragma unroll
-          for (int k = 0; k < 4; ++k) wgmma_m64n128k32_e4m3(acc, da + 2 * k, db + 2 * k, k);
-          wgmma_commit();
+        for (int k = 0; k < 4; ++k) wgmma_e4m3(d, da + 2 * k, db + 2 * k, k);
+        wgmma_commit();
+      };
+      // d's block is complete: its stage goes back to the producer, its sum times the two scales into tot
+      auto retire = [&](float (&d)[kAcc], const Block& b) {
+        fence_acc(d);
+        if (tid == 0) mbar_arrive(empty0 + 8 * b.s);
+#pragma unroll
+        for (int j = 0; j < kJ; ++j) {
+          tot[4 * j] += d[4 * j] * b.f0;
+          tot[4 * j + 1] += d[4 * j + 1] * b.f0;
+          tot[4 * j + 2] += d[4 * j + 2] * b.f1;
+          tot[4 * j + 3] += d[4 * j + 3] * b.f1;
+        }
+      };
+      const int n = w.kb1 - w.kb0;
+      if constexpr (kPipe) {
+        if (n > 0) {  // acc0 in flight at the top of every iteration (unrolled by two: the sets alternate branch-free)
+          Block b0 = begin(0), b1;
+          issue(acc0, b0.s);
+          int i = 1;
+          for (; i + 1 < n; i += 2) {
+            b1 = begin(i);
+            issue(acc1, b1.s);
+            wgmma_wait1();  // acc0's block is complete
+            retire(acc0, b0);
+            b0 = begin(i + 1);
+            issue(acc0, b0.s);
+            wgmma_wait1();
+            retire(acc1, b1);
+          }
+          if (i < n) {
+            b1 = begin(i);
+            issue(acc1, b1.s);
+            wgmma_wait1();
+            retire(acc0, b0);
+            wgmma_wait0();
+            retire(acc1, b1);
+          } else {
+            wgmma_wait0();
+            retire(acc0, b0);
+          }
+        }
+      } else {
+        for (int i = 0; i < n; ++i) {
+          const Block b = begin(i);
+          issue(acc0, b.s);
           wgmma_wait0();
-          fence_acc(acc);
+          retire(acc0, b);
         }
-        if (tid == 0) mbar_arrive(empty0 + 8 * s);  // the warpgroup's MMAs are complete
-        const float f0 = sa0 * sb, f1 = sa1 * sb;
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-          tot[4 * j] += acc[4 * j] * f0;
-          tot[4 * j + 1] += acc[4 * j + 1] * f0;
-          tot[4 * j + 2] += acc[4 * j + 2] * f1;
-          tot[4 * j + 3] += acc[4 * j + 3] * f1;
-        }
-        sa0 = na0, sa1 = na1, sb = nb;
       }
       if (a.S > 1 && a.cluster) {
         // ---- split-K across the cluster: this rank's partial -> its shared memory; once every rank's is there,
         // rows [split * 128 / S, (split + 1) * 128 / S) of the S partials summed in split order ----
         consumer_bar();  // both warpgroups' last MMAs have read the ring the partial goes to
 #pragma unroll
-        for (int j = 0; j < 16; ++j) {
+        for (int j = 0; j < kJ; ++j) {
           const int c = 8 * j + c_in;
           *reinterpret_cast<float2*>(cpart + r_in * kPartPitch + c) = make_float2(tot[4 * j], tot[4 * j + 1]);
           *reinterpret_cast<float2*>(cpart + (r_in + 8) * kPartPitch + c) = make_float2(tot[4 * j + 2], tot[4 * j + 3]);
@@ -353,8 +437,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         cluster_sync();  // every rank's partial is in place (the producer warpgroups take part)
         const int rows = kTile / a.S;
         const uint32_t part0 = smem_addr(cpart);
-        for (int i = threadIdx.x; i < rows * (kTile / 4); i += 128 * kConsumers) {
-          const int r = w.split * rows + i / (kTile / 4), c = 4 * (i % (kTile / 4));
+        for (int i = threadIdx.x; i < rows * (BN / 4); i += 128 * kConsumers) {
+          const int r = w.split * rows + i / (BN / 4), c = 4 * (i % (BN / 4));
           const int gr = w.m0 + r, gc = w.n0 + c;
           if (gr >= a.M || gc >= a.N) continue;
           const uint32_t off = part0 + (r * kPartPitch + c) * 4;
@@ -378,12 +462,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         // the same wave: the grid is at most one CTA per SM, and a unit only waits for units of the same or the next
         // round), unit s sums rows [s * 128 / S, (s + 1) * 128 / S) of the S partials in split order: the same bits
         // whichever finishes first. The last unit done resets the tile's two counters for the next launch. ----
-        float* part = a.part + static_cast<long long>(u) * kTile * kTile;
+        float* part = a.part + static_cast<long long>(u) * kTile * BN;
 #pragma unroll
-        for (int j = 0; j < 16; ++j) {  // a quad writes 32 contiguous bytes of a row
+        for (int j = 0; j < kJ; ++j) {  // a quad writes 32 contiguous bytes of a row
           const int c = 8 * j + c_in;
-          *reinterpret_cast<float2*>(part + r_in * kTile + c) = make_float2(tot[4 * j], tot[4 * j + 1]);
-          *reinterpret_cast<float2*>(part + (r_in + 8) * kTile + c) = make_float2(tot[4 * j + 2], tot[4 * j + 3]);
+          *reinterpret_cast<float2*>(part + r_in * BN + c) = make_float2(tot[4 * j], tot[4 * j + 1]);
+          *reinterpret_cast<float2*>(part + (r_in + 8) * BN + c) = make_float2(tot[4 * j + 2], tot[4 * j + 3]);
         }
         __threadfence();
         consumer_bar();
@@ -400,18 +484,18 @@ __global__ void __launch_bounds__(kThreads, 1)
         consumer_bar();
         {
           const int rows = kTile / a.S;
-          const float* base = a.part + static_cast<long long>(w.tile) * a.S * kTile * kTile;
-          for (int i = threadIdx.x; i < rows * (kTile / 4); i += 128 * kConsumers) {
-            const int r = w.split * rows + i / (kTile / 4), c = 4 * (i % (kTile / 4));
+          const float* base = a.part + static_cast<long long>(w.tile) * a.S * kTile * BN;
+          for (int i = threadIdx.x; i < rows * (BN / 4); i += 128 * kConsumers) {
+            const int r = w.split * rows + i / (BN / 4), c = 4 * (i % (BN / 4));
             const int gr = w.m0 + r, gc = w.n0 + c;
             if (gr >= a.M || gc >= a.N) continue;
-            const float* src = base + r * kTile + c;
+            const float* src = base + r * BN + c;
             float4 sum = __ldcg(reinterpret_cast<const float4*>(src));
             for (int q0 = 1; q0 < a.S; q0 += 4) {  // four splits' loads in flight at once, summed in split order
               float4 p[4];
 #pragma unroll
               for (int q = 0; q < 4; ++q)
-                if (q0 + q < a.S) p[q] = __ldcg(reinterpret_cast<const float4*>(src + (q0 + q) * kTile * kTile));
+                if (q0 + q < a.S) p[q] = __ldcg(reinterpret_cast<const float4*>(src + (q0 + q) * kTile * BN));
 #pragma unroll
               for (int q = 0; q < 4; ++q)
                 if (q0 + q < a.S) sum.x += p[q].x, sum.y += p[q].y, sum.z += p[q].z, sum.w += p[q].w;
@@ -428,25 +512,27 @@ __global__ void __launch_bounds__(kThreads, 1)
           arrived[0] = 0;
           arrived[1] = 0;
         }
-      } else if (active) {
+      } else if (w.m0 + wg * 64 < a.M) {  // a warpgroup wholly past M stores nothing
         // ---- the bf16 tile through shared memory (16-byte chunks XOR-swizzled by row), then 16-byte stores:
         // every 32-byte sector of the output is written whole ----
+        constexpr int kRowBytes = BN * 2, kChunks = BN / 8;  // a staged row: kChunks 16-byte chunks
         wg_bar(wg);  // the last tile's reads are done
 #pragma unroll
-        for (int j = 0; j < 16; ++j) {
+        for (int j = 0; j < kJ; ++j) {
           const int sw0 = ((j ^ (r_wg & 7)) << 4) + 2 * c_in;
-          *reinterpret_cast<__nv_bfloat162*>(stg + r_wg * 256 + sw0) = __floats2bfloat162_rn(tot[4 * j], tot[4 * j + 1]);
-          *reinterpret_cast<__nv_bfloat162*>(stg + (r_wg + 8) * 256 + sw0) =
+          *reinterpret_cast<__nv_bfloat162*>(stg + r_wg * kRowBytes + sw0) =
+              __floats2bfloat162_rn(tot[4 * j], tot[4 * j + 1]);
+          *reinterpret_cast<__nv_bfloat162*>(stg + (r_wg + 8) * kRowBytes + sw0) =
               __floats2bfloat162_rn(tot[4 * j + 2], tot[4 * j + 3]);
         }
         wg_bar(wg);
 #pragma unroll
-        for (int p = 0; p < 8; ++p) {
-          const int idx = p * 128 + tid, r = idx >> 4, ch = idx & 15;
+        for (int p = 0; p < 64 * kChunks / 128; ++p) {
+          const int idx = p * 128 + tid, r = idx / kChunks, ch = idx % kChunks;
           const int gr = w.m0 + wg * 64 + r, gc = w.n0 + ch * 8;
           if (gr < a.M && gc < a.N)
             *reinterpret_cast<uint4*>(a.out + static_cast<long long>(gr) * a.so + gc) =
-                *reinterpret_cast<const uint4*>(stg + r * 256 + ((ch ^ (r & 7)) << 4));
+                *reinterpret_cast<const uint4*>(stg + r * kRowBytes + ((ch ^ (r & 7)) << 4));
         }
       }
     }
@@ -466,13 +552,13 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
   return fn;
 }
 
-// rows x cols e4m3 (row stride cols bytes), 128 x 128-byte boxes, 128-byte swizzle, out-of-range reads as zeros
-bool encode_map(CUtensorMap* map, const void* base, int rows, int cols) {
+// rows x cols e4m3 (row stride cols bytes), box_rows x 128-byte boxes, 128-byte swizzle, out-of-range reads as zeros
+bool encode_map(CUtensorMap* map, const void* base, int rows, int cols, int box_rows) {
   const auto fn = encode_fn();
   if (fn == nullptr) return false;
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols)};
-  const cuuint32_t box[2] = {kTile, kTile};
+  const cuuint32_t box[2] = {kTile, static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t estride[2] = {1, 1};
   return fn(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims, strides, box, estride,
             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
@@ -487,9 +573,10 @@ cudaError_t act_quant_launch(const ActQuantArgs& a, bool pdl, cudaStream_t strea
   return launch_pdl(act_quant_kernel, dim3(static_cast<unsigned>((warps + 7) / 8)), dim3(256), 0, pdl, stream, a);
 }
 
-// clusters of S gemm_fp8_kernel CTAs that fit the current device at once (S = 2, 4, 8; else 0), cached per device;
+// clusters of S gemm_fp8_kernel<BN> CTAs that fit the current device at once (S = 2, 4, 8; else 0), cached per device;
 // -1 when the occupancy query fails (not cached: asked again next time)
 constexpr int kMaxDevices = 64;
+template <int BN>
 static int cluster_fit(int S) {
   static int fit[kMaxDevices][9] = {};
   if (S < 2 || S > 8 || (S & (S - 1)) != 0) return 0;
@@ -500,14 +587,15 @@ static int cluster_fit(int S) {
   }
   int* slot = dev < kMaxDevices ? &fit[dev][S] : nullptr;
   if (slot != nullptr && *slot != 0) return *slot - 1;  // stored + 1: 0 means "not asked yet"
-  if (cudaFuncSetAttribute(gemm_fp8_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) != cudaSuccess) {
+  if (cudaFuncSetAttribute(gemm_fp8_kernel<BN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           TileCfg<BN>::kSmemBytes) != cudaSuccess) {
     (void)cudaGetLastError();
     return -1;
   }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(S), 1, 1);
   cfg.blockDim = dim3(kThreads, 1, 1);
-  cfg.dynamicSmemBytes = kSmemBytes;
+  cfg.dynamicSmemBytes = TileCfg<BN>::kSmemBytes;
   cudaLaunchAttribute attr;
   attr.id = cudaLaunchAttributeClusterDimension;
   attr.val.clusterDim.x = S;
@@ -516,7 +604,7 @@ static int cluster_fit(int S) {
   cfg.attrs = &attr;
   cfg.numAttrs = 1;
   int n = 0;
-  if (cudaOccupancyMaxActiveClusters(&n, gemm_fp8_kernel, &cfg) != cudaSuccess) {
+  if (cudaOccupancyMaxActiveClusters(&n, gemm_fp8_kernel<BN>, &cfg) != cudaSuccess) {
     (void)cudaGetLastError();
     return -1;
   }
@@ -525,21 +613,29 @@ static int cluster_fit(int S) {
   return n;
 }
 
-int gemm_cluster_fit(int splits) { return cluster_fit(splits); }
+int gemm_cluster_fit(int splits, int bn) { return bn == 64 ? cluster_fit<64>(splits) : cluster_fit<128>(splits); }
 
-cudaError_t gemm_fp8_launch(GemmFp8Args a, bool pdl, cudaStream_t stream) {
+template <int BN>
+static cudaError_t launch(GemmFp8Args a, bool pdl, cudaStream_t stream) {
   CUtensorMap map_a, map_b;
-  if (!encode_map(&map_a, a.xq, a.M, a.K) || !encode_map(&map_b, a.w, a.N, a.K)) return cudaErrorInvalidValue;
-  const cudaError_t e = cudaFuncSetAttribute(gemm_fp8_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (!encode_map(&map_a, a.xq, a.M, a.K, kTile) || !encode_map(&map_b, a.w, a.N, a.K, BN)) return cudaErrorInvalidValue;
+  const cudaError_t e =
+      cudaFuncSetAttribute(gemm_fp8_kernel<BN>, cudaFuncAttributeMaxDynamicSharedMemorySize, TileCfg<BN>::kSmemBytes);
   if (e != cudaSuccess) return e;
-  const int tiles = ((a.M + kTile - 1) / kTile) * ((a.N + kTile - 1) / kTile);
+  const int tiles = ((a.M + kTile - 1) / kTile) * ((a.N + BN - 1) / BN);
   const int units = tiles * a.S;
   // split-K through a cluster where every tile's cluster fits at once, else through the workspace (whose units
   // wait for each other: the grid is at most one CTA per SM, all resident)
-  a.cluster = a.S > 1 && tiles <= cluster_fit(a.S);
+  a.cluster = a.S > 1 && tiles <= cluster_fit<BN>(a.S);
   if (a.S > 1 && !a.cluster && (a.part == nullptr || a.counters == nullptr)) return cudaErrorInvalidValue;
-  return launch_ex(gemm_fp8_kernel, dim3(static_cast<unsigned>(a.cluster ? units : min(units, a.ctas))), dim3(kThreads),
-                   kSmemBytes, pdl, a.cluster ? a.S : 1, stream, map_a, map_b, a);
+  return launch_ex(gemm_fp8_kernel<BN>, dim3(static_cast<unsigned>(a.cluster ? units : min(units, a.ctas))),
+                   dim3(kThreads), TileCfg<BN>::kSmemBytes, pdl, a.cluster ? a.S : 1, stream, map_a, map_b, a);
+}
+
+cudaError_t gemm_fp8_launch(GemmFp8Args a, bool pdl, cudaStream_t stream) {
+  if (a.bn == 64) return launch<64>(a, pdl, stream);
+  if (a.bn == 128) return launch<128>(a, pdl, stream);
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace dsv4

@@ -24,12 +24,13 @@ struct GemmFp8Args {
   const float* xs;       // [M, K / 128] fp32 (act_quant's s)
   const uint8_t* w;      // [N, K] e4m3, contiguous
   const float* ws;       // [ceil(N / 128), K / 128] fp32 block scales
+  int bn;                // output tile columns: 128, or 64 (twice the tiles: a split-K's clusters fit more often)
   __nv_bfloat16* out;    // [M, N] bf16, row stride so elements
   long long so;
   int M, N, K;
   int S;                 // splits of K per output tile, 1..8
   int ctas;              // CTAs of the persistent grid (at most one per work unit)
-  float* part;           // S > 1 without clusters: [tiles * S, 128, 128] fp32 partials (workspace), else may be null
+  float* part;           // S > 1 without clusters: [tiles * S, 128, bn] fp32 partials (workspace), else may be null
   int* counters;         // likewise: two int32 per output tile (arrived, done), zero before and after a launch
   int cluster;           // set by the launcher: S > 1 through a thread-block cluster (part and counters unused)
 };
@@ -38,8 +39,8 @@ struct GemmFp8Args {
 // N % 8 == 0, 16-byte aligned xq / w / out rows (checked by the binding).
 cudaError_t gemm_fp8_launch(GemmFp8Args a, bool pdl, cudaStream_t stream);
 
-// clusters of `splits` GEMM CTAs the current device holds at once (0 where none, or splits other than 2, 4, 8; -1
-// when the occupancy query failed). Split-K without a workspace needs every tile's cluster to fit.
-int gemm_cluster_fit(int splits);
+// clusters of `splits` GEMM CTAs (tiles `bn` wide) the current device holds at once (0 where none, or splits other than
+// 2, 4, 8; -1 when the occupancy query failed). Split-K without a workspace needs every tile's cluster to fit.
+int gemm_cluster_fit(int splits, int bn);
 
 }  // namespace dsv4
