@@ -260,22 +260,21 @@ __device__ __forceinline__ void wg_bar(int wg) {
   }
 }
 
-// split-K through a cluster: rows [split * 128 / S, (split + 1) * 128 / S) of the S ranks' fp32 partials (in their
-// shared memory at part0, read through distributed shared memory), summed in split order, to out as bf16. Every
-// consumer thread issues all its loads (BN / 8 float4 over the S ranks) before it sums any: one round trip to the
-// other CTAs' shared memory, not one per row group (a loop of dependent ones took ~1.8 us of wo_b's launch)
-template <int BN, int S>
-__device__ __forceinline__ void cluster_reduce(const GemmFp8Args& a, uint32_t part0, int split, int m0, int n0) {
-  constexpr int kPitch = TileCfg<BN>::kPartPitch, kRows = kTile / S, kVec = BN / 4;  // float4 per partial row
-  constexpr int kItems = kRows * kVec / (128 * kConsumers);                         // per thread: BN / (8 S)
+// split-K: rows [split * 128 / S, (split + 1) * 128 / S) of the tile's S fp32 partials, summed in split order, to out
+// as bf16; load(q, r, c) returns split q's float4 at tile row r, column c (a cluster rank's shared memory or the
+// workspace). Every consumer thread issues all its loads (BN / 8 float4 over the S partials) before it sums any: one
+// round trip, not one per row group (a loop of dependent ones took ~1.8 us of wo_b's launch, through a cluster)
+template <int BN, int S, typename Load>
+__device__ __forceinline__ void reduce_partials(const GemmFp8Args& a, int split, int m0, int n0, const Load& load) {
+  constexpr int kRows = kTile / S, kVec = BN / 4;               // float4 per partial row
+  constexpr int kItems = kRows * kVec / (128 * kConsumers);     // per thread: BN / (8 S)
   static_assert(kItems >= 1 && kRows * kVec % (128 * kConsumers) == 0, "whole float4 items per thread");
   float4 p[kItems][S];
 #pragma unroll
   for (int it = 0; it < kItems; ++it) {
     const int i = threadIdx.x + it * 128 * kConsumers;
-    const uint32_t off = part0 + ((split * kRows + i / kVec) * kPitch + 4 * (i % kVec)) * 4;
 #pragma unroll
-    for (int q = 0; q < S; ++q) p[it][q] = ld_cluster_f4(cluster_addr(off, q));
+    for (int q = 0; q < S; ++q) p[it][q] = load(q, split * kRows + i / kVec, 4 * (i % kVec));
   }
 #pragma unroll
   for (int it = 0; it < kItems; ++it) {
@@ -291,6 +290,17 @@ __device__ __forceinline__ void cluster_reduce(const GemmFp8Args& a, uint32_t pa
     packed.x = *reinterpret_cast<uint32_t*>(&lo);
     packed.y = *reinterpret_cast<uint32_t*>(&hi);
     *reinterpret_cast<uint2*>(a.out + static_cast<long long>(gr) * a.so + gc) = packed;
+  }
+}
+
+template <int BN, typename Load>
+__device__ __forceinline__ void reduce_partials(const GemmFp8Args& a, int split, int m0, int n0, const Load& load) {
+  if (a.S == 2) {
+    reduce_partials<BN, 2>(a, split, m0, n0, load);
+  } else if (a.S == 4) {
+    reduce_partials<BN, 4>(a, split, m0, n0, load);
+  } else {
+    reduce_partials<BN, 8>(a, split, m0, n0, load);
   }
 }
 
@@ -470,13 +480,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         cluster_sync();  // every rank's partial is in place (the producer warpgroups take part)
         const uint32_t part0 = smem_addr(cpart);
-        if (a.S == 2) {
-          cluster_reduce<BN, 2>(a, part0, w.split, w.m0, w.n0);
-        } else if (a.S == 4) {
-          cluster_reduce<BN, 4>(a, part0, w.split, w.m0, w.n0);
-        } else {
-          cluster_reduce<BN, 8>(a, part0, w.split, w.m0, w.n0);
-        }
+        reduce_partials<BN>(a, w.split, w.m0, w.n0, [&](int q, int r, int c) {
+          return ld_cluster_f4(cluster_addr(part0 + (r * kPartPitch + c) * 4, q));
+        });
         cluster_sync();  // every rank is done reading the partials: none leaves while another reads its memory
       } else if (a.S > 1) {
         // ---- split-K: every unit leaves its fp32 partial in the workspace; once all S of the tile have (they run in
@@ -503,31 +509,10 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
         consumer_bar();
-        {
-          const int rows = kTile / a.S;
-          const float* base = a.part + static_cast<long long>(w.tile) * a.S * kTile * BN;
-          for (int i = threadIdx.x; i < rows * (BN / 4); i += 128 * kConsumers) {
-            const int r = w.split * rows + i / (BN / 4), c = 4 * (i % (BN / 4));
-            const int gr = w.m0 + r, gc = w.n0 + c;
-            if (gr >= a.M || gc >= a.N) continue;
-            const float* src = base + r * BN + c;
-            float4 sum = __ldcg(reinterpret_cast<const float4*>(src));
-            for (int q0 = 1; q0 < a.S; q0 += 4) {  // four splits' loads in flight at once, summed in split order
-              float4 p[4];
-#pragma unroll
-              for (int q = 0; q < 4; ++q)
-                if (q0 + q < a.S) p[q] = __ldcg(reinterpret_cast<const float4*>(src + (q0 + q) * kTile * BN));
-#pragma unroll
-              for (int q = 0; q < 4; ++q)
-                if (q0 + q < a.S) sum.x += p[q].x, sum.y += p[q].y, sum.z += p[q].z, sum.w += p[q].w;
-            }
-            __nv_bfloat162 lo = __floats2bfloat162_rn(sum.x, sum.y), hi = __floats2bfloat162_rn(sum.z, sum.w);
-            uint2 packed;
-            packed.x = *reinterpret_cast<uint32_t*>(&lo);
-            packed.y = *reinterpret_cast<uint32_t*>(&hi);
-            *reinterpret_cast<uint2*>(a.out + static_cast<long long>(gr) * a.so + gc) = packed;
-          }
-        }
+        const float* base = a.part + static_cast<long long>(w.tile) * a.S * kTile * BN;
+        reduce_partials<BN>(a, w.split, w.m0, w.n0, [&](int q, int r, int c) {
+          return __ldcg(reinterpret_cast<const float4*>(base + (static_cast<long long>(q) * kTile + r) * BN + c));
+        });
         consumer_bar();  // this unit's reads of the workspace are done
         if (threadIdx.x == 0 && atomicAdd(arrived + 1, 1) == a.S - 1) {
           arrived[0] = 0;
