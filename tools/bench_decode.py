@@ -7,6 +7,12 @@ the first --layers layers of the Flash config (all 43 need ~150 GB: spread them 
 cuda:0,cuda:1). For each context the state is filled with random cache contents at position ctx-1, so
 the step reads a full context. Prints a table and writes JSON (--json). A benchmark, not a test.
 Needs a CUDA GPU.
+
+--prefill N also times the chunked prefill of an N-token prompt that ends at each context (chunks of up to
+128 tokens, eager as the engine runs them; the state filled at random before the prompt): per layer ms per
+1K prompt tokens (CUDA events between layers), the whole prefill's wall time, and the projection to 43
+layers in ms and prompt tokens per second; with --profile also one chunk's GPU time per layer kind split by
+op.
 """
 
 from __future__ import annotations
@@ -180,6 +186,79 @@ def profile_layer(run, device) -> dict:
     return {"kernels": kernels, "step_ms": step, "split_ms": split, "ops_ms": per_op, "kernel_us": kernel_us}
 
 
+def pf_ids(model, ctx: int, tokens: int):
+    """The benchmark's prompt for context ctx: `tokens` random ids on the embedding's device."""
+    import torch
+
+    g = torch.Generator(device="cpu").manual_seed(ctx)
+    return torch.randint(0, model.cfg.vocab_size, (1, tokens), generator=g).to(model.embed.weight.device)
+
+
+def prefill_run(model, state, ids, p0: int, chunk: int, events: bool, keep: dict | None = None):
+    """Prefill ids [1, P] at positions p0.. in chunks of `chunk` tokens, layer by layer as
+    Transformer.forward_streams runs them (no head). events: a CUDA event pair around every layer's call of
+    every chunk, returned as [(layer, start, end)] (read after a sync); else []. keep: filled with each layer's
+    (input, ids, plan) of the last chunk."""
+    import torch
+
+    recs = []
+    P = ids.shape[1]
+    for c0 in range(0, P, chunk):
+        cid = ids[:, c0:c0 + chunk]
+        S = cid.shape[1]
+        state.pos = p0 + c0
+        h = model.embed.weight[cid].to(model.numerics.dtype)
+        x = h.unsqueeze(2).repeat(1, 1, model.cfg.hc_mult, 1)
+        plans: dict = {}
+        for i, (layer, st) in enumerate(zip(model.layers, state.blocks)):
+            x = x.to(layer.attn_norm.weight.device)
+            plan = model._plan(plans, x.device, p0 + c0, S)
+            if keep is not None:
+                keep[i] = (x, cid.to(x.device), plan)
+            if events:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+            x = layer(x, cid.to(x.device), plan, st, model.rope(layer.spec.rope, x.device))
+            if events:
+                b.record()
+                recs.append((i, a, b))
+    state.pos = p0 + P
+    return recs
+
+
+def time_prefill(model, state, ctx: int, tokens: int, devices, chunk: int = 128) -> dict:
+    """The prefill of a `tokens`-token prompt ending at position ctx (random state before it): per layer ms
+    (summed over the chunks, CUDA events) and the wall time of the whole prefill (median of 3 runs after a
+    warm-up; every run rewrites the same positions)."""
+    import statistics
+
+    import torch
+
+    p0 = ctx - tokens
+    ids = pf_ids(model, ctx, tokens)
+    model.prepare()
+    fill_state(state, p0, seed=ctx)
+    prefill_run(model, state, ids, p0, chunk, False)  # warm-up
+    walls, layer_runs = [], []
+    for _ in range(3):
+        for d in dict.fromkeys(devices):
+            torch.cuda.synchronize(d)
+        t0 = time.perf_counter()
+        prefill_run(model, state, ids, p0, chunk, False)
+        for d in dict.fromkeys(devices):
+            torch.cuda.synchronize(d)
+        walls.append((time.perf_counter() - t0) * 1e3)
+        recs = prefill_run(model, state, ids, p0, chunk, True)
+        for d in dict.fromkeys(devices):
+            torch.cuda.synchronize(d)
+        per = [0.0] * len(model.layers)
+        for i, a, b in recs:
+            per[i] += a.elapsed_time(b)
+        layer_runs.append(per)
+    layer_ms = [statistics.median(r[i] for r in layer_runs) for i in range(len(model.layers))]
+    return {"tokens": tokens, "chunk": chunk, "start": p0, "wall_ms": statistics.median(walls), "layer_ms": layer_ms}
+
+
 def short_kernel_name(name: str) -> str:
     """A kernel's name without namespaces, template arguments or parameters ("void dsv4::(anonymous
     namespace)::gemv_kernel<1, 2, false>(dsv4::GemvArgs)" -> "gemv_kernel")."""
@@ -215,6 +294,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-overlap", action="store_true",
                    help="run what the model puts on a second stream (the step plan, the compressors, the indexer) in "
                         "line, for an A/B of the overlap (default: overlapped)")
+    p.add_argument("--prefill", type=int, default=0, metavar="N",
+                   help="also time the chunked prefill (128-token chunks) of an N-token prompt ending at each context "
+                        "(default: 0, decode only)")
     p.add_argument("--json", metavar="F", help="write the results as JSON to F (default: none)")
     args = p.parse_args(argv)
 
@@ -244,6 +326,9 @@ def main(argv=None) -> int:
           file=sys.stderr)
     devices = [d.strip() for d in args.device.split(",") if d.strip()]
     contexts = [int(c) for c in args.contexts.split(",")]
+    if args.prefill < 0 or any(args.prefill > c for c in contexts):
+        print(f"error: --prefill must be in [0, the smallest context], got {args.prefill}", file=sys.stderr)
+        return 2
     raw = truncate_layers(FLASH_CONFIG, args.layers)
     raw["compress_ratios"] = raw["compress_ratios"][: args.layers]  # no MTP block in the benchmark
     raw["num_nextn_predict_layers"] = 0
@@ -297,6 +382,29 @@ def main(argv=None) -> int:
                         prof[spec_i.attn] = profile_layer(lambda i=i, r=runner: r._run_layer(i), runner.devices[i])
                 row["profile"] = prof
             runner = None  # free this mode's graphs and their memory pools before the next
+        if args.prefill:
+            pf = time_prefill(model, state, ctx, args.prefill, devices)
+            by_kind = {}
+            for s, ms in zip(cfg.layers, pf["layer_ms"]):
+                by_kind.setdefault(s.attn, []).append(ms * 1000 / args.prefill)
+            mean = {k: sum(v) / len(v) for k, v in by_kind.items()}
+            if all(k in mean for k in kinds):
+                pf["projected_43_layer_ms_per_1k"] = sum(kinds[k] * mean[k] for k in kinds)
+                pf["projected_43_layer_tok_s"] = 1e6 / pf["projected_43_layer_ms_per_1k"]
+            if args.profile:
+                keep: dict = {}
+                prefill_run(model, state, pf_ids(model, ctx, args.prefill), ctx - args.prefill, 128, False, keep)
+                seen, prof = set(), {}
+                for i, spec_i in enumerate(cfg.layers):
+                    if spec_i.attn not in seen:
+                        seen.add(spec_i.attn)
+                        x_i, ids_i, plan_i = keep[i]
+                        layer, st = model.layers[i], state.blocks[i]
+                        prof[spec_i.attn] = profile_layer(
+                            lambda layer=layer, st=st, a=(x_i, ids_i, plan_i): layer(
+                                a[0], a[1], a[2], st, model.rope(layer.spec.rope, a[0].device)), x_i.device)
+                pf["profile"] = prof
+            row["prefill"] = pf
         cache = [state_read_bytes(st, ctx - 1, s) for st, s in zip(state.blocks, cfg.layers)]
         row["layer_weight_bytes"] = per_layer_bytes
         row["layer_cache_bytes"] = cache
@@ -333,6 +441,25 @@ def main(argv=None) -> int:
             proj = f"{r['projected_43_layer_token_ms']:.1f}" if mode == "graph" and "projected_43_layer_token_ms" in r else ""
             print(f"{r['context']:>8} | {mode:>5} | {ms:>9.2f} | {layers:<40} | {gb:>7.3f} | {gbps:>7.1f} | "
                   f"{100 * gbps / bw:>8.2f}% | {proj:>12}")
+    if args.prefill:
+        print(f"\nprefill of a {args.prefill}-token prompt ending at the context, chunks of 128 tokens, eager")
+        hdr = (f"{'context':>8} | {'wall ms':>8} | {'per-layer ms per 1K tokens (' + ','.join(s.attn for s in cfg.layers) + ')':<48}"
+               f" | {'proj. 43L ms/1K':>15} | {'proj. 43L tok/s':>15}")
+        print(hdr)
+        print("-" * len(hdr))
+        for r in results:
+            pf = r["prefill"]
+            layers = ",".join(f"{x * 1000 / args.prefill:.2f}" for x in pf["layer_ms"])
+            proj = pf.get("projected_43_layer_ms_per_1k")
+            print(f"{r['context']:>8} | {pf['wall_ms']:>8.2f} | {layers:<48} | "
+                  f"{'' if proj is None else f'{proj:.1f}':>15} | "
+                  f"{'' if proj is None else f'{1e6 / proj:.0f}':>15}")
+    for r in results:
+        for kind, pr in r.get("prefill", {}).get("profile", {}).items():
+            parts = ", ".join(f"{k} {v:.3f}" for k, v in pr["split_ms"].items())
+            top = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in sorted(pr["ops_ms"].items(), key=lambda kv: -kv[1])[:10])
+            print(f"prefill profile ctx {r['context']} {kind}: {pr['kernels']} kernels per chunk; queued chunk "
+                  f"{pr['step_ms']:.3f} ms by part, ms: {parts}; top ops, us: {top}")
     for r in results:
         for kind, pr in r.get("profile", {}).items():
             parts = ", ".join(f"{k} {v:.3f}" for k, v in pr["split_ms"].items())

@@ -102,4 +102,4 @@ def register_ops(register) -> None:
         fast = None
     register("compressor", compressor_ref, getattr(fast, "compressor", None), interpretable=True,
              doc="compressor state update: gated pooling, norm, RoPE, quant simulation, entry insert "
-                 "(fast: the decode step; chunks run the reference)")
+                 "(fast: the decode step in one launch, a prefill chunk in two)")

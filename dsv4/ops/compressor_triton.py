@@ -1,7 +1,7 @@
-"""Triton fast path of the compressor update for the decode step (S = 1); chunks (S > 1) run the reference.
+"""Triton fast path of the compressor update: the decode step (S = 1) in one launch, a chunk (S > 1) in two.
 
-Same signature and result as `compressor_ref` (dsv4/ops/compressor.py). One launch per call, `_pool_kernel`,
-grid (B, d / BLOCK) (more than MAX_ROWS batch rows run the reference; the indexer's FP4 keys at a width that is not a
+Same signature and result as `compressor_ref` (dsv4/ops/compressor.py). The decode step is `_pool_kernel`, grid
+(B, d / BLOCK) (more than MAX_ROWS batch rows run the reference; the indexer's FP4 keys at a width that is not a
 power of two finish through reference ops after the pool):
 1. for its channels, assemble the open window's rows (the state's rows before the token, the token's projection
    (+ ape) at its slot, empty rows after it; CSA: the previous window's A halves first), pool them (softmax over the
@@ -16,6 +16,14 @@ power of two finish through reference ops after the pool):
 The kernel runs beside the layer's large GEMVs, whose weight streams make every dependent round trip to memory
 slow, so it keeps those few: all loads issued up front, the new state written from registers, the finished row kept
 in registers from its scratch load to its one store.
+
+A prefill chunk (any S > 1, any start) runs `_chunk_pool_kernel`, grid (B x T windows it can touch, d / BLOCK):
+each program assembles its window's rows as compressor_ref does (chunk rows + ape, state rows before the chunk,
+empty rows after it; CSA: the previous window's A halves, from the state for the first window) and pools them with
+the decode kernel's softmax and sums into a scratch row; then `_chunk_finish_kernel`, grid (B, T + 1): program t < T
+finishes window t's entry with `_finish_row` when the window closes in the chunk, program T writes the state after
+the chunk (the open window's rows; CSA: the last window that closed). Two launches in place of the reference's
+~150 torch kernels (two compressors of a CSA layer: ~300 launches per chunk).
 """
 
 from __future__ import annotations
@@ -111,13 +119,13 @@ def _pool_kernel(c_ptr, g_ptr, ape_ptr, kv_ptr, sc_ptr, e_ptr, start_ptr, C, d, 
         tl.debug_barrier()  # every thread's scratch values are stored before the (release) arrival
         arrived = tl.atomic_add(cnt_ptr + b, 1, sem="acq_rel")
         if arrived == tl.num_programs(1) - 1:
-            _finish_row(e_ptr, w_ptr, cos_ptr, sin_ptr, ent_ptr, b, pos, d, n_rows, eps, n_pos, R, RD2, NOPE, NB_P,
+            _finish_row(e_ptr, b, w_ptr, cos_ptr, sin_ptr, ent_ptr, b, pos, d, n_rows, eps, n_pos, R, RD2, NOPE, NB_P,
                         QUANT, ROW, LOG2D, HSCALE)
             tl.atomic_xchg(cnt_ptr + b, 0)
 
 
 @triton.jit
-def _finish_row(e_ptr, w_ptr, cos_ptr, sin_ptr, ent_ptr, b, pos, d, n_rows, eps, n_pos,
+def _finish_row(e_ptr, erow, w_ptr, cos_ptr, sin_ptr, ent_ptr, b, pos, d, n_rows, eps, n_pos,
                 R: tl.constexpr, RD2: tl.constexpr, NOPE: tl.constexpr, NB_P: tl.constexpr,
                 QUANT: tl.constexpr, BLOCK: tl.constexpr, LOG2D: tl.constexpr, HSCALE: tl.constexpr):
     # the closed window's entry (its pooled row in e_ptr): norm, RoPE, quantization simulation, insert; the row stays
@@ -128,7 +136,7 @@ def _finish_row(e_ptr, w_ptr, cos_ptr, sin_ptr, ent_ptr, b, pos, d, n_rows, eps,
     out = ent_ptr + (b * n_rows + row) * d
     i = tl.arange(0, BLOCK)
     m = i < d
-    x = round_to(tl.load(e_ptr + b * d + i, mask=m, other=0.0, cache_modifier=".cg"), DT)  # e.to(dtype)
+    x = round_to(tl.load(e_ptr + erow * d + i, mask=m, other=0.0, cache_modifier=".cg"), DT)  # e.to(dtype)
     x = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / d + eps))
     y = cast(tl.load(w_ptr + i, mask=m, other=0.0).to(tl.float32) * x, DT)
     # RoPE at the window's first position w * R on the pairs (2j, 2j + 1) of the last 2 RD2 dims
@@ -157,17 +165,156 @@ def _finish_row(e_ptr, w_ptr, cos_ptr, sin_ptr, ent_ptr, b, pos, d, n_rows, eps,
         tl.store(out + i, y, mask=m)
 
 
+# ---- chunks (S > 1): two launches, the pool of every touched window, then the emitted windows' finish + the state
+
+
+@triton.jit
+def _window_rows(c_ptr, g_ptr, ape_ptr, kv_ptr, sc_ptr, b, w, pos0, S, C, scb, scs, sgb, sgs, cols, cm, rows, rm,
+                 R: tl.constexpr, OFF: tl.constexpr, SR: tl.constexpr):
+    """Window w's rows (positions w R + rows) at columns cols, as compressor_ref assembles them: a row in the chunk
+    is its projection (gate + ape), a row before the chunk the state's open row, a row after it empty (0 / -inf)."""
+    q = w * R + rows
+    in_chunk = (q >= pos0) & (q < pos0 + S) & rm
+    in_state = (q < pos0) & rm
+    ci = tl.where(in_chunk, q - pos0, 0).to(tl.int64)
+    mc = in_chunk[:, None] & cm[None, :]
+    ms = in_state[:, None] & cm[None, :]
+    cv = tl.load(c_ptr + b * scb + ci[:, None] * scs + cols[None, :], mask=mc, other=0.0)
+    cg = tl.load(g_ptr + b * sgb + ci[:, None] * sgs + cols[None, :], mask=mc, other=0.0) + \
+        tl.load(ape_ptr + rows[:, None] * C + cols[None, :], mask=mc, other=0.0)
+    so = (b * SR + OFF + rows[:, None]) * C + cols[None, :]
+    sv = tl.load(kv_ptr + so, mask=ms, other=0.0)
+    sg = tl.load(sc_ptr + so, mask=ms, other=float("-inf"))
+    v = tl.where(mc, cv, tl.where(ms, sv, 0.0))
+    g = tl.where(mc, cg, tl.where(ms, sg, float("-inf")))
+    return v, g
+
+
+@triton.jit
+def _chunk_pool_kernel(c_ptr, g_ptr, ape_ptr, kv_ptr, sc_ptr, e_ptr, start_ptr, S, T, C, d, scb, scs, sgb, sgs,
+                       R: tl.constexpr, OVERLAP: tl.constexpr, RP: tl.constexpr, BLOCK: tl.constexpr):
+    # program (b T + t, channel block): window w0 + t's pooled values of BLOCK channels -> e[b, t] (fp32 scratch);
+    # the same softmax and sums as the decode step's `_pool_kernel`
+    bt = tl.program_id(0)
+    b = bt // T
+    t = bt % T
+    ch = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    cm = ch < d
+    pos0 = tl.load(start_ptr)
+    w = pos0 // R + t
+    rows = tl.arange(0, RP)
+    rm = rows < R
+    OFF: tl.constexpr = R if OVERLAP else 0
+    SR: tl.constexpr = 2 * R if OVERLAP else R
+    HB: tl.constexpr = 1 if OVERLAP else 0  # CSA: this window's values are the B halves (columns d..2d)
+    v, gs = _window_rows(c_ptr, g_ptr, ape_ptr, kv_ptr, sc_ptr, b, w, pos0, S, C, scb, scs, sgb, sgs, ch + HB * d,
+                         cm, rows, rm, R, OFF, SR)
+    gt = tl.where(rm[:, None] & cm[None, :], gs, float("-inf"))
+    if OVERLAP:  # the previous window's A halves: the state's last closed window (t = 0), else assembled as above
+        m2 = rm[:, None] & cm[None, :]
+        first = (rows * 0 + t) == 0  # (tensors: the interpreter's masks must be)
+        p_off = (b * SR + rows[:, None]) * C + ch[None, :]
+        sv = tl.load(kv_ptr + p_off, mask=m2 & first[:, None], other=0.0)
+        sg = tl.load(sc_ptr + p_off, mask=m2 & first[:, None], other=float("-inf"))
+        av, ag = _window_rows(c_ptr, g_ptr, ape_ptr, kv_ptr, sc_ptr, b, w - 1, pos0, S, C, scb, scs, sgb, sgs, ch,
+                              cm & ((ch * 0 + t) > 0), rows, rm, R, OFF, SR)
+        pv = tl.where(first[:, None], sv, av)
+        pg = tl.where(m2, tl.where(first[:, None], sg, ag), float("-inf"))
+        mx = tl.maximum(tl.max(gt, axis=0), tl.max(pg, axis=0))
+        ex = tl.exp(gt - mx[None, :])
+        ep = tl.exp(pg - mx[None, :])
+        den = tl.sum(ep, axis=0) + tl.sum(ex, axis=0)
+        e = tl.sum(pv * (ep / den[None, :]), axis=0) + tl.sum(v * (ex / den[None, :]), axis=0)
+    else:
+        mx = tl.max(gt, axis=0)
+        ex = tl.exp(gt - mx[None, :])
+        e = tl.sum(v * (ex / tl.sum(ex, axis=0)[None, :]), axis=0)
+    tl.store(e_ptr + bt * d + ch, e, mask=cm)
+
+
+@triton.jit
+def _chunk_finish_kernel(c_ptr, g_ptr, ape_ptr, kv_ptr, sc_ptr, e_ptr, start_ptr, S, T, C, d, scb, scs, sgb, sgs,
+                         w_ptr, cos_ptr, sin_ptr, ent_ptr, n_rows, eps, n_pos,
+                         R: tl.constexpr, OVERLAP: tl.constexpr, RP: tl.constexpr, CB: tl.constexpr,
+                         RD2: tl.constexpr, NOPE: tl.constexpr, NB_P: tl.constexpr, QUANT: tl.constexpr,
+                         ROW: tl.constexpr, LOG2D: tl.constexpr, HSCALE: tl.constexpr):
+    # program (b, t < T): window w0 + t's entry when the window closes in the chunk (`_finish_row` of e[b, t]);
+    # program (b, T): the state after the chunk: the open window's rows and (CSA) the last window that closed
+    b = tl.program_id(0)
+    t = tl.program_id(1)
+    pos0 = tl.load(start_ptr)
+    w0 = pos0 // R
+    end = pos0 + S
+    if t < T:
+        w = w0 + t
+        if (w + 1) * R <= end:
+            _finish_row(e_ptr, b * T + t, w_ptr, cos_ptr, sin_ptr, ent_ptr, b, w * R, d, n_rows, eps, n_pos, R, RD2,
+                        NOPE, NB_P, QUANT, ROW, LOG2D, HSCALE)
+    else:
+        OFF: tl.constexpr = R if OVERLAP else 0
+        SR: tl.constexpr = 2 * R if OVERLAP else R
+        rows = tl.arange(0, RP)
+        rm = rows < R
+        wn = w0 + tl.minimum(tl.maximum(end // R - w0, 0), T - 1)  # the open window after the chunk
+        jc = end // R - 1 - w0  # the last closed window, if it closed in this chunk
+        wc = w0 + tl.minimum(tl.maximum(jc, 0), T - 1)
+        for c0 in range(0, C, CB):
+            cols = c0 + tl.arange(0, CB)
+            cm = cols < C
+            m2 = rm[:, None] & cm[None, :]
+            closed = (cols * 0 + jc) >= 0  # (a tensor: the interpreter's masks must be)
+            v, g = _window_rows(c_ptr, g_ptr, ape_ptr, kv_ptr, sc_ptr, b, wn, pos0, S, C, scb, scs, sgb, sgs, cols,
+                                cm, rows, rm, R, OFF, SR)
+            if OVERLAP:
+                vc, gc = _window_rows(c_ptr, g_ptr, ape_ptr, kv_ptr, sc_ptr, b, wc, pos0, S, C, scb, scs, sgb, sgs,
+                                      cols, cm & closed, rows, rm, R, OFF, SR)
+            tl.debug_barrier()  # every read of the state's rows is done before they are overwritten
+            so = (b * SR + OFF + rows[:, None]) * C + cols[None, :]
+            tl.store(kv_ptr + so, v, mask=m2)
+            tl.store(sc_ptr + so, g, mask=m2)
+            if OVERLAP:
+                po = (b * SR + rows[:, None]) * C + cols[None, :]
+                tl.store(kv_ptr + po, vc, mask=m2 & closed[None, :])
+                tl.store(sc_ptr + po, gc, mask=m2 & closed[None, :])
+            tl.debug_barrier()
+
+
+def _chunk(c, g, ape, norm_w, eps, cos_tab, sin_tab, kv_state, score_state, entries, start, ratio, overlap, quant):
+    B, S, C = c.shape
+    d = C // 2 if overlap else C
+    T = (S + ratio - 2) // ratio + 1  # windows the chunk can touch
+    e = torch.empty(B, T, d, dtype=torch.float32, device=c.device)
+    blk = _block(ratio, overlap)
+    rp = triton.next_power_of_2(ratio)
+    common = (c, g, ape.contiguous(), kv_state, score_state, e, start, S, T, C, d, c.stride(0), c.stride(1),
+              g.stride(0), g.stride(1))
+    _chunk_pool_kernel[(B * T, triton.cdiv(d, blk))](*common, R=ratio, OVERLAP=overlap, RP=rp, BLOCK=blk)
+    rd2 = cos_tab.shape[-1]
+    nope = d - 2 * rd2
+    _chunk_finish_kernel[(B, T + 1)](
+        *common, norm_w, cos_tab.contiguous(), sin_tab.contiguous(), entries, entries.shape[1], eps, cos_tab.shape[0],
+        R=ratio, OVERLAP=overlap, RP=rp, CB=max(16, min(triton.next_power_of_2(C), 8192 // rp)), RD2=rd2,
+        NOPE=nope, NB_P=triton.next_power_of_2(max(nope // 64, 1)), QUANT={None: 0, "fp8": 1, "fp4": 2}[quant],
+        ROW=triton.next_power_of_2(d), LOG2D=triton.next_power_of_2(d).bit_length() - 1,
+        HSCALE=hadamard_scale(triton.next_power_of_2(d)))
+
+
 def compressor(c: torch.Tensor, g: torch.Tensor, ape: torch.Tensor, norm_w: torch.Tensor, eps: float,
                cos_tab: torch.Tensor, sin_tab: torch.Tensor, kv_state: torch.Tensor, score_state: torch.Tensor,
                entries: torch.Tensor, start: torch.Tensor, ratio: int, overlap: bool, quant: str | None) -> None:
     B, S, C = c.shape
-    if S != 1 or not (kv_state.is_contiguous() and score_state.is_contiguous() and entries.is_contiguous()):
+    d = C // 2 if overlap else C
+    # rotate_fp4 needs a power-of-two width: other widths finish through the reference after the pool (no counter)
+    odd_fp4 = quant == "fp4" and (d & (d - 1) or d < 32)
+    if not (kv_state.is_contiguous() and score_state.is_contiguous() and entries.is_contiguous()) or \
+            (S > 1 and (odd_fp4 or c.stride(2) != 1 or g.stride(2) != 1)):
         return compressor_ref(c, g, ape, norm_w, eps, cos_tab, sin_tab, kv_state, score_state, entries, start,
                               ratio, overlap, quant)
-    d = C // 2 if overlap else C
+    if S > 1:
+        return _chunk(c, g, ape, norm_w, eps, cos_tab, sin_tab, kv_state, score_state, entries, start, ratio, overlap,
+                      quant)
     c2, g2 = c.reshape(B, C).contiguous(), g.reshape(B, C).contiguous()
-    # rotate_fp4 needs a power-of-two width: other widths finish through the reference after the pool (no counter)
-    ref_finish = quant == "fp4" and (d & (d - 1) or d < 32)
+    ref_finish = odd_fp4
     if B > MAX_ROWS:
         return compressor_ref(c, g, ape, norm_w, eps, cos_tab, sin_tab, kv_state, score_state, entries, start,
                               ratio, overlap, quant)

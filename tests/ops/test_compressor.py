@@ -96,3 +96,41 @@ def test_batch_rows_finish_once_and_leave_the_counters_zero(d, quant):
         _assert_entries(fast_st.entries, ref_st.entries, quant)
         assert not counters.any(), p
     assert fast_st.entries[:, :2].abs().amax(-1).gt(0).all()  # both windows of both rows were written
+
+
+@both_tiers
+@pytest.mark.parametrize("ratio,overlap,d,quant,dtype,chunks", [
+    (4, True, 128, "fp8", torch.bfloat16, [3, 1, 6, 2, 9, 1, 17, 4]),
+    (8, False, 128, "fp8", torch.bfloat16, [5, 13, 1, 20, 3, 8]),
+    (4, True, 64, "fp4", torch.bfloat16, [2, 7, 1, 12, 5]),
+    (4, True, 64, None, torch.float32, [6, 1, 9, 3]),
+] + ([(128, False, 512, "fp8", torch.bfloat16, [100, 128, 60, 1, 128, 40]),
+      (4, True, 512, "fp8", torch.bfloat16, [128, 128, 1, 37, 128]),
+      (4, True, 128, "fp4", torch.bfloat16, [128, 1, 77, 128])] if CUDA else []))
+def test_chunks_match_reference(ratio, overlap, d, quant, dtype, chunks):
+    # prefill chunks of any length at any start (S > 1: the two chunk launches; S = 1 between them: the decode
+    # step), two batch rows, c and g as column views of one wider projection (the attention's fused GEMM output):
+    # state bit for bit, entries within the bf16 rounding after every call
+    fast = _fast()
+    g = torch.Generator().manual_seed(ratio * d + len(chunks))
+    C = (2 if overlap else 1) * d
+    B = 2
+    rope = Rope(64 if d >= 128 else 32, 160000.0, None, 4096, DEV)
+    ape = (torch.randn(ratio, C, generator=g) * 0.5).to(DEV)
+    norm_w = (1 + 0.1 * torch.randn(d, generator=g)).to(torch.bfloat16).to(DEV)
+    max_len = sum(chunks) + ratio  # positions: every window of the chunks has its own entry row
+    ref_st = CompressorState(B, ratio, d, overlap, max_len, dtype, DEV)
+    fast_st = CompressorState(B, ratio, d, overlap, max_len, dtype, DEV)
+    p = 0
+    for S in chunks:
+        proj = torch.randn(B, S, 2 * C + 16, generator=g).to(DEV)
+        c, gg = proj[..., :C], proj[..., C + 16:]
+        start = torch.tensor([p], device=DEV)
+        args = (ape, norm_w, 1e-6, rope.cos, rope.sin)
+        compressor_ref(c, gg, *args, ref_st.kv, ref_st.score, ref_st.entries, start, ratio, overlap, quant)
+        fast(c, gg, *args, fast_st.kv, fast_st.score, fast_st.entries, start, ratio, overlap, quant)
+        assert torch.equal(fast_st.score, ref_st.score), (p, S)
+        assert torch.equal(fast_st.kv, ref_st.kv), (p, S)
+        _assert_entries(fast_st.entries, ref_st.entries, quant)
+        p += S
+    assert fast_st.entries[:, : p // ratio].abs().amax(-1).gt(0).all()  # every closed window was written
