@@ -46,6 +46,23 @@ def _block(ratio: int, overlap: bool) -> int:
 
 
 @triton.jit
+def _pool_rows(v, gt, pv, pg, OVERLAP: tl.constexpr):
+    """A window's pooled value per channel: the softmax over its rows' gates gt (CSA: the previous window's A rows'
+    gates pg join it) as torch computes it (max, exp, sum, divide), times the values v (pv), summed over the rows."""
+    if OVERLAP:
+        mx = tl.maximum(tl.max(gt, axis=0), tl.max(pg, axis=0))
+        ex = tl.exp(gt - mx[None, :])
+        ep = tl.exp(pg - mx[None, :])
+        den = tl.sum(ep, axis=0) + tl.sum(ex, axis=0)
+        e = tl.sum(pv * (ep / den[None, :]), axis=0) + tl.sum(v * (ex / den[None, :]), axis=0)
+    else:
+        mx = tl.max(gt, axis=0)
+        ex = tl.exp(gt - mx[None, :])
+        e = tl.sum(v * (ex / tl.sum(ex, axis=0)[None, :]), axis=0)
+    return e
+
+
+@triton.jit
 def _pool_kernel(c_ptr, g_ptr, ape_ptr, kv_ptr, sc_ptr, e_ptr, start_ptr, C, d, cnt_ptr,
                  w_ptr, cos_ptr, sin_ptr, ent_ptr, n_rows, eps, n_pos,
                  R: tl.constexpr, OVERLAP: tl.constexpr, RP: tl.constexpr, BLOCK: tl.constexpr,
@@ -88,15 +105,9 @@ def _pool_kernel(c_ptr, g_ptr, ape_ptr, kv_ptr, sc_ptr, e_ptr, start_ptr, C, d, 
     gs = tl.where(is_new, new_g[None, :], tl.where(before, old_g, float("-inf")))  # the state's (unmasked)
     gt = tl.where(m2, gs, float("-inf"))
     if OVERLAP:  # the previous window's A halves join the softmax
-        mx = tl.maximum(tl.max(gt, axis=0), tl.max(pg, axis=0))
-        ex = tl.exp(gt - mx[None, :])
-        ep = tl.exp(pg - mx[None, :])
-        den = tl.sum(ep, axis=0) + tl.sum(ex, axis=0)
-        e = tl.sum(pv * (ep / den[None, :]), axis=0) + tl.sum(v * (ex / den[None, :]), axis=0)
+        e = _pool_rows(v, gt, pv, pg, OVERLAP)
     else:
-        mx = tl.max(gt, axis=0)
-        ex = tl.exp(gt - mx[None, :])
-        e = tl.sum(v * (ex / tl.sum(ex, axis=0)[None, :]), axis=0)
+        e = _pool_rows(v, gt, v, gt, OVERLAP)
     tl.store(e_ptr + b * d + ch, e, mask=cm)
     # ---- the new state: the open rows as assembled (all C columns: this program's A and B columns); CSA: the window
     # becomes the previous one when it closes
@@ -220,15 +231,9 @@ def _chunk_pool_kernel(c_ptr, g_ptr, ape_ptr, kv_ptr, sc_ptr, e_ptr, start_ptr, 
                               cm & ((ch * 0 + t) > 0), rows, rm, R, OFF, SR)
         pv = tl.where(first[:, None], sv, av)
         pg = tl.where(m2, tl.where(first[:, None], sg, ag), float("-inf"))
-        mx = tl.maximum(tl.max(gt, axis=0), tl.max(pg, axis=0))
-        ex = tl.exp(gt - mx[None, :])
-        ep = tl.exp(pg - mx[None, :])
-        den = tl.sum(ep, axis=0) + tl.sum(ex, axis=0)
-        e = tl.sum(pv * (ep / den[None, :]), axis=0) + tl.sum(v * (ex / den[None, :]), axis=0)
+        e = _pool_rows(v, gt, pv, pg, OVERLAP)
     else:
-        mx = tl.max(gt, axis=0)
-        ex = tl.exp(gt - mx[None, :])
-        e = tl.sum(v * (ex / tl.sum(ex, axis=0)[None, :]), axis=0)
+        e = _pool_rows(v, gt, v, gt, OVERLAP)
     tl.store(e_ptr + bt * d + ch, e, mask=cm)
 
 
