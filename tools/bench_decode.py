@@ -194,39 +194,36 @@ def pf_ids(model, ctx: int, tokens: int):
     return torch.randint(0, model.cfg.vocab_size, (1, tokens), generator=g).to(model.embed.weight.device)
 
 
-def prefill_run(model, state, ids, p0: int, chunk: int, events: bool, keep: dict | None = None):
-    """Prefill ids [1, P] at positions p0.. in chunks of `chunk` tokens, layer by layer as
-    Transformer.forward_streams runs them (no head). events: a CUDA event pair around every layer's call of
-    every chunk, returned as [(layer, start, end)] (read after a sync); else []. keep: filled with each layer's
-    (input, ids, plan) of the last chunk."""
+def prefill_run(model, state, ids, p0: int, events: bool, keep: dict | None = None):
+    """Prefill ids [1, P] at positions p0.. in chunks of the engine's PREFILL_CHUNK tokens through
+    Transformer.forward_streams (no head). events: a CUDA event pair around every layer's call of every chunk,
+    returned as [(layer, start, end)] (read after a sync); else []. keep: filled with each layer's arguments in the
+    last chunk."""
     import torch
 
+    from dsv4.engine import PREFILL_CHUNK
+
     recs = []
-    P = ids.shape[1]
-    for c0 in range(0, P, chunk):
-        cid = ids[:, c0:c0 + chunk]
-        S = cid.shape[1]
-        state.pos = p0 + c0
-        h = model.embed.weight[cid].to(model.numerics.dtype)
-        x = h.unsqueeze(2).repeat(1, 1, model.cfg.hc_mult, 1)
-        plans: dict = {}
-        for i, (layer, st) in enumerate(zip(model.layers, state.blocks)):
-            x = x.to(layer.attn_norm.weight.device)
-            plan = model._plan(plans, x.device, p0 + c0, S)
-            if keep is not None:
-                keep[i] = (x, cid.to(x.device), plan)
-            if events:
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-            x = layer(x, cid.to(x.device), plan, st, model.rope(layer.spec.rope, x.device))
-            if events:
-                b.record()
-                recs.append((i, a, b))
-    state.pos = p0 + P
+
+    def call(i, layer, args):
+        if keep is not None:
+            keep[i] = args
+        if not events:
+            return layer(*args)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        out = layer(*args)
+        b.record()
+        recs.append((i, a, b))
+        return out
+
+    state.pos = p0
+    for c0 in range(0, ids.shape[1], PREFILL_CHUNK):
+        model.forward_streams(ids[:, c0:c0 + PREFILL_CHUNK], state, call)
     return recs
 
 
-def time_prefill(model, state, ctx: int, tokens: int, devices, chunk: int = 128) -> dict:
+def time_prefill(model, state, ctx: int, tokens: int, devices) -> dict:
     """The prefill of a `tokens`-token prompt ending at position ctx (random state before it): per layer ms
     (summed over the chunks, CUDA events) and the wall time of the whole prefill (median of 3 runs after a
     warm-up; every run rewrites the same positions)."""
@@ -238,17 +235,17 @@ def time_prefill(model, state, ctx: int, tokens: int, devices, chunk: int = 128)
     ids = pf_ids(model, ctx, tokens)
     model.prepare()
     fill_state(state, p0, seed=ctx)
-    prefill_run(model, state, ids, p0, chunk, False)  # warm-up
+    prefill_run(model, state, ids, p0, False)  # warm-up
     walls, layer_runs = [], []
     for _ in range(3):
         for d in dict.fromkeys(devices):
             torch.cuda.synchronize(d)
         t0 = time.perf_counter()
-        prefill_run(model, state, ids, p0, chunk, False)
+        prefill_run(model, state, ids, p0, False)
         for d in dict.fromkeys(devices):
             torch.cuda.synchronize(d)
         walls.append((time.perf_counter() - t0) * 1e3)
-        recs = prefill_run(model, state, ids, p0, chunk, True)
+        recs = prefill_run(model, state, ids, p0, True)
         for d in dict.fromkeys(devices):
             torch.cuda.synchronize(d)
         per = [0.0] * len(model.layers)
@@ -256,7 +253,9 @@ def time_prefill(model, state, ctx: int, tokens: int, devices, chunk: int = 128)
             per[i] += a.elapsed_time(b)
         layer_runs.append(per)
     layer_ms = [statistics.median(r[i] for r in layer_runs) for i in range(len(model.layers))]
-    return {"tokens": tokens, "chunk": chunk, "start": p0, "wall_ms": statistics.median(walls), "layer_ms": layer_ms}
+    from dsv4.engine import PREFILL_CHUNK
+
+    return {"tokens": tokens, "chunk": PREFILL_CHUNK, "start": p0, "wall_ms": statistics.median(walls), "layer_ms": layer_ms}
 
 
 def short_kernel_name(name: str) -> str:
@@ -393,16 +392,12 @@ def main(argv=None) -> int:
                 pf["projected_43_layer_tok_s"] = 1e6 / pf["projected_43_layer_ms_per_1k"]
             if args.profile:
                 keep: dict = {}
-                prefill_run(model, state, pf_ids(model, ctx, args.prefill), ctx - args.prefill, 128, False, keep)
+                prefill_run(model, state, pf_ids(model, ctx, args.prefill), ctx - args.prefill, False, keep)
                 seen, prof = set(), {}
                 for i, spec_i in enumerate(cfg.layers):
                     if spec_i.attn not in seen:
                         seen.add(spec_i.attn)
-                        x_i, ids_i, plan_i = keep[i]
-                        layer, st = model.layers[i], state.blocks[i]
-                        prof[spec_i.attn] = profile_layer(
-                            lambda layer=layer, st=st, a=(x_i, ids_i, plan_i): layer(
-                                a[0], a[1], a[2], st, model.rope(layer.spec.rope, a[0].device)), x_i.device)
+                        prof[spec_i.attn] = profile_layer(lambda f=model.layers[i], a=keep[i]: f(*a), keep[i][0].device)
                 pf["profile"] = prof
             row["prefill"] = pf
         cache = [state_read_bytes(st, ctx - 1, s) for st, s in zip(state.blocks, cfg.layers)]
@@ -442,7 +437,8 @@ def main(argv=None) -> int:
             print(f"{r['context']:>8} | {mode:>5} | {ms:>9.2f} | {layers:<40} | {gb:>7.3f} | {gbps:>7.1f} | "
                   f"{100 * gbps / bw:>8.2f}% | {proj:>12}")
     if args.prefill:
-        print(f"\nprefill of a {args.prefill}-token prompt ending at the context, chunks of 128 tokens, eager")
+        chunk = results[0]["prefill"]["chunk"]
+        print(f"\nprefill of a {args.prefill}-token prompt ending at the context, chunks of {chunk} tokens, eager")
         hdr = (f"{'context':>8} | {'wall ms':>8} | {'per-layer ms per 1K tokens (' + ','.join(s.attn for s in cfg.layers) + ')':<48}"
                f" | {'proj. 43L ms/1K':>15} | {'proj. 43L tok/s':>15}")
         print(hdr)

@@ -247,8 +247,9 @@ class Transformer(nn.Module):
         return self.logits(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.norm)
 
     # ---- forward ----
-    def forward_streams(self, ids: torch.Tensor, state: ModelState) -> torch.Tensor:
-        """ids: [B,S] at positions state.pos.. -> final residual streams [B,S,hc,D]; advances state.pos."""
+    def forward_streams(self, ids: torch.Tensor, state: ModelState, layer_call=None) -> torch.Tensor:
+        """ids: [B,S] at positions state.pos.. -> final residual streams [B,S,hc,D]; advances state.pos.
+        layer_call(i, layer, args) -> layer(*args), if given, runs each layer (tools time or record them)."""
         B, S = ids.shape
         p0 = state.pos
         if p0 + S > state.max_len:
@@ -258,10 +259,10 @@ class Transformer(nn.Module):
         h = self.embed.weight[ids].to(self.numerics.dtype)  # [B,S,D]
         x = h.unsqueeze(2).repeat(1, 1, self.cfg.hc_mult, 1)  # four identical streams
         plans: dict = {}
-        for layer, st in zip(self.layers, state.blocks):
+        for i, (layer, st) in enumerate(zip(self.layers, state.blocks)):
             x = x.to(layer.attn_norm.weight.device)
-            x = layer(x, ids.to(x.device), self._plan(plans, x.device, p0, S), st,
-                      self.rope(layer.spec.rope, x.device))
+            args = (x, ids.to(x.device), self._plan(plans, x.device, p0, S), st, self.rope(layer.spec.rope, x.device))
+            x = layer(*args) if layer_call is None else layer_call(i, layer, args)
         state.pos = p0 + S
         return x
 
