@@ -113,7 +113,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     mdl.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                      help="activation dtype (default bfloat16)")
     mdl.add_argument("--eager", action="store_true",
-                     help="on CUDA, decode without CUDA graphs (slower; for debugging)")
+                     help="on CUDA, decode and prefill without CUDA graphs (slower; for debugging)")
     mdl.add_argument("--kernels", metavar="SPEC",
                      help="op backends: fast (Triton/CUDA kernels; the default on CUDA), ref (the PyTorch "
                           "reference ops; the default on CPU), or per op, e.g. fast,sparse_attn=ref; the run "

@@ -287,12 +287,16 @@ class Engine:
 
         self.kernels = ops.active()  # op -> backend bound now (from_pretrained binds them first)
         model.prepare()
-        self.runner = None
+        self.runner = self.prefill = None
         if graphs and self.input_device.type == "cuda":
-            from dsv4.graphs import DecodeRunner
+            from dsv4.graphs import DecodeRunner, PrefillRunner
 
             self.runner = DecodeRunner(model, self.state, use_graphs=True)
             self._warm_up()
+            # full prefill chunks after the first replay two graphs per layer (the reference MoE syncs with the host,
+            # so the reference backend prefills eagerly)
+            if max_context > 2 * PREFILL_CHUNK and ops.OPS["moe_experts"].active == "fast":
+                self.prefill = PrefillRunner(model, self.state, PREFILL_CHUNK)
 
     # prefill chunk lengths that select every kernel variant a prompt can need (tiles by power-of-two token
     # counts, 16-divisible or not): compiled here, at load, instead of during the first request
@@ -494,9 +498,17 @@ class Engine:
         t0 = time.perf_counter()
         t_first = None
         try:
-            # Only the last position's logits are needed, so every chunk skips the LM head elsewhere.
+            # Only the last position's logits are needed: the LM head runs once, after the last chunk.
             for s in range(start, P, PREFILL_CHUNK):
-                logits = self.model(ids[:, s:s + PREFILL_CHUNK], self.state, last_only=True)
+                chunk = ids[:, s:s + PREFILL_CHUNK]
+                if self.prefill is not None and self.prefill.applies(chunk.shape[1], s):
+                    x = self.prefill.run(chunk, s)
+                    if s + PREFILL_CHUNK >= P:
+                        logits = self.model.head_logits(x, last_only=True)
+                elif s + PREFILL_CHUNK >= P:
+                    logits = self.model(chunk, self.state, last_only=True)
+                else:
+                    self.model.forward_streams(chunk, self.state)
             generator = make_generator(params, logits.device)
             while True:
                 token = sample(logits[:, -1], params, generator)

@@ -1,4 +1,5 @@
-"""CUDA-graph decode: one captured graph per layer (plus embedding and head), replayed every step.
+"""CUDA graphs: the decode step (one captured graph per layer, plus embedding and head, replayed every step) and the
+full prefill chunks (two graphs per layer around an eager middle, `PrefillRunner`).
 
 All decode state lives preallocated on each layer's device (`ModelState`); the step's inputs (token id,
 position) reach every device through one pinned host buffer and non-blocking copies into static
@@ -12,8 +13,19 @@ from __future__ import annotations
 
 import torch
 
+from dsv4.model.layers import StepPlan
 from dsv4.model.transformer import Transformer
 from dsv4.state import ModelState
+
+
+def hop(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy src into dst ordered after src's producer, without a host sync (a cross-device copy waits on the source
+    device's stream); nothing when dst is src."""
+    if dst is src:
+        return
+    if dst.device != src.device:
+        torch.cuda.current_stream(dst.device).wait_stream(torch.cuda.current_stream(src.device))
+    dst.copy_(src, non_blocking=True)
 
 
 class DecodeRunner:
@@ -134,13 +146,7 @@ class DecodeRunner:
 
     @staticmethod
     def _hop(dst: torch.Tensor, src: torch.Tensor) -> None:
-        # cross-device (or same-device) copy ordered after src's producer, without a host sync; none where the graph
-        # reads src in place (see _capture)
-        if dst is src:
-            return
-        if dst.device != src.device:
-            torch.cuda.current_stream(dst.device).wait_stream(torch.cuda.current_stream(src.device))
-        dst.copy_(src, non_blocking=True)
+        hop(dst, src)  # none where the graph reads src in place (see _capture)
 
     @torch.no_grad()
     def step(self, token: int, pos: int | None = None) -> torch.Tensor:
@@ -169,3 +175,153 @@ class DecodeRunner:
             logits = self._run_head()
         self.state.pos = pos + 1
         return logits[0, -1]
+
+
+class PrefillRunner:
+    """Full prefill chunks after the first, batch 1, through two CUDA graphs per layer around an eager middle.
+
+    Launched one by one, a 128-token chunk's ~20-40 kernels per layer take the host longer than the GPU takes to run
+    them. Every full chunk past position 0 has the same shapes except the compressed-entry index lists, whose width
+    follows the chunk's end. So each layer is captured as `Block.begin` (mHC pre + norm, the projections, the
+    compressors) and `Block.finish` (wo_a, wo_b, the mHC boundary, the FFN), and `Attention.attend` (the index
+    lists, the indexer, the queries' and kv's norm + RoPE, the sparse attention, the ring insert) runs eagerly
+    between the two replays, its output copied into a static buffer. The chunk's plan (positions, window lists, RoPE
+    rows, visible counts) is made inside the device's first graph from a static start position, and the token ids
+    are copied into a static buffer per device. The first chunk (its window lists are shorter) and a shorter last
+    chunk run eagerly (`Transformer.forward_streams`). The same kernels run in the same order on the same inputs as
+    in the eager chunk: the same bits. Memory: every layer's `begin` outputs (at Flash width ~11 MB: the queries
+    before their norm, the indexer's queries, the compressors' projections) and output streams (4 MB) stay in the
+    graphs' pool. Needs ops without host syncs (the fast backend's; the reference MoE syncs)."""
+
+    def __init__(self, model: Transformer, state: ModelState, chunk: int, warmup: int = 1):
+        if state.batch != 1:
+            raise ValueError(f"the prefill runner supports batch 1, state has batch {state.batch}")
+        if model.embed.weight.device.type != "cuda":
+            raise ValueError("CUDA graphs need the model on CUDA devices")
+        if chunk < 2 or 2 * chunk > min(state.max_len, model.max_pos):
+            raise ValueError(f"prefill graphs of {chunk}-token chunks need room for two chunks in the state "
+                             f"({state.max_len} positions)")
+        if warmup < 1:
+            raise ValueError("CUDA-graph capture needs at least one warm-up run")
+        self.model, self.state, self.chunk = model, state, chunk
+        model.prepare()
+        self.devices = [layer.attn_norm.weight.device for layer in model.layers]
+        self.embed_dev = model.embed.weight.device
+        uniq = list(dict.fromkeys([self.embed_dev, *self.devices]))
+        self.ids = {d: torch.zeros(1, chunk, dtype=torch.int64, device=d) for d in uniq}  # static per device
+        self.start = {d: torch.zeros(1, dtype=torch.int64, device=d) for d in dict.fromkeys(self.devices)}
+        self.plans: dict = {}  # device -> the plan its first graph makes
+        self.o_in: dict = {}  # device -> the attention output buffer its `finish` graphs read
+        n = len(self.devices)
+        # x_in[i]: layer i's static input where it hops from another device (or the embedding runs elsewhere); None:
+        # layer 0 embeds inside its graph, later layers read the previous graph's output in place
+        self.x_in: list = [None] * n
+        self.x_out: list = [None] * n
+        self.begun: list = [None] * n  # layer i's `begin` outputs (carry, AttnStart)
+        self.pre: list = []
+        self.post: list = []
+        self._capture(warmup)
+
+    def applies(self, S: int, p0: int) -> bool:
+        """Whether a chunk of S tokens at position p0 runs through the graphs (else forward_streams runs it)."""
+        return S == self.chunk and p0 > 0
+
+    def _plan(self, dev) -> StepPlan:
+        return StepPlan.build(self.start[dev], self.chunk, self.model.cfg.sliding_window, None)
+
+    def _input(self, i: int) -> torch.Tensor:
+        if self.x_in[i] is None:
+            return self.model.embed_streams(self.ids[self.devices[i]]) if i == 0 else self.x_out[i - 1]
+        return self.x_in[i]
+
+    def _begin(self, i: int, plan: StepPlan) -> tuple:
+        layer = self.model.layers[i]
+        return layer.begin(self._input(i), plan, self.state.blocks[i], self.model.rope(layer.spec.rope, self.devices[i]),
+                           join=True)
+
+    def _set_chunk(self, p0: int) -> None:
+        # the plans' host part: the chunk's end (index-list widths); index lists made for another end are dropped
+        for plan in self.plans.values():
+            plan.end = p0 + self.chunk
+            for key in [k for k in plan.visible if isinstance(k, tuple)]:
+                del plan.visible[key]
+
+    def _hop_in(self, i: int) -> None:
+        if self.x_in[i] is not None:
+            hop(self.x_in[i], self.model.embed_streams(self.ids[self.embed_dev]) if i == 0 else self.x_out[i - 1])
+
+    def _capture(self, warmup: int) -> None:
+        p0 = self.chunk  # any full chunk after the first: the warm-ups and captures run there
+        for t in self.start.values():
+            t.fill_(p0)
+        pools: dict = {}
+        streams = {d: torch.cuda.Stream(d) for d in dict.fromkeys(self.devices)}
+        for i, dev in enumerate(self.devices):
+            layer, st = self.model.layers[i], self.state.blocks[i]
+            prev_dev = self.embed_dev if i == 0 else self.devices[i - 1]
+            if prev_dev != dev:
+                src = self.model.embed_streams(self.ids[self.embed_dev]) if i == 0 else self.x_out[i - 1]
+                self.x_in[i] = torch.zeros(src.shape, dtype=src.dtype, device=dev)
+            with torch.cuda.device(dev), torch.no_grad():
+                self._hop_in(i)
+                main = torch.cuda.current_stream(dev)
+                s = torch.cuda.Stream(dev)
+                s.wait_stream(main)
+                with torch.cuda.stream(s):
+                    for _ in range(warmup):  # a plan of its own: the captured one must make its tensors in the graph
+                        plan = self._plan(dev)
+                        plan.end = p0 + self.chunk
+                        carry, a = self._begin(i, plan)
+                        layer.finish(layer.attn.attend(a, plan, st), carry, self.ids[dev])
+                main.wait_stream(s)
+                # every graph of a device shares one pool: they replay in capture order, each reading the outputs
+                # that the earlier ones keep referenced
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pools.get(dev), stream=streams[dev]):
+                    if dev not in self.plans:
+                        self.plans[dev] = self._plan(dev)
+                    self.begun[i] = self._begin(i, self.plans[dev])
+                pools.setdefault(dev, g.pool())
+                g.replay()  # its outputs hold values for the middle's run and the next capture
+                self.pre.append(g)
+                self._set_chunk(p0)
+                o = layer.attn.attend(self.begun[i][1], self.plans[dev], st)
+                o_in = self.o_in.setdefault(dev, torch.empty_like(o))
+                o_in.copy_(o)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pools[dev], stream=streams[dev]):
+                    self.x_out[i] = layer.finish(o_in, self.begun[i][0], self.ids[dev])
+                g.replay()
+                self.post.append(g)
+        for d in dict.fromkeys(self.devices):
+            torch.cuda.synchronize(d)
+        self.state.reset()
+
+    @torch.no_grad()
+    def run(self, ids: torch.Tensor, p0: int, layer_done=None) -> torch.Tensor:
+        """ids [1, chunk] (on the embedding's device) at positions p0.. (p0 > 0) -> the final residual streams
+        [1, chunk, hc, D] (a graph output: valid until the next run); advances state.pos. layer_done(i), if given, is
+        called after layer i's work is queued (tools time the layers)."""
+        S = ids.shape[1]
+        if ids.shape[0] != 1 or not self.applies(S, p0):
+            raise ValueError(f"the prefill graphs run [1, {self.chunk}] chunks past position 0, got "
+                             f"{list(ids.shape)} at {p0}")
+        if p0 + S > self.state.max_len:
+            raise ValueError(f"positions {p0}..{p0 + S - 1} exceed the state's max_len {self.state.max_len}")
+        for buf in self.ids.values():
+            hop(buf, ids)
+        for t in self.start.values():
+            t.fill_(p0)
+        self._set_chunk(p0)
+        for i, dev in enumerate(self.devices):
+            layer = self.model.layers[i]
+            with torch.cuda.device(dev):
+                self._hop_in(i)
+                self.pre[i].replay()
+                o = layer.attn.attend(self.begun[i][1], self.plans[dev], self.state.blocks[i])
+                self.o_in[dev].copy_(o)
+                self.post[i].replay()
+            if layer_done is not None:
+                layer_done(i)
+        self.state.pos = p0 + S
+        return self.x_out[-1]

@@ -44,14 +44,14 @@ def test_decode_step_is_clean(kernels):
 def test_planted_violations_are_reported_with_module_and_line():
     model = _model()
     attn = model.layers[1].attn
-    original = attn.forward
+    original = attn.attend
 
-    def bad_step(x, plan, st, rope):
+    def bad_step(a, plan, st):
         if plan.start.item() > 1_000_000:  # a Python branch on a tensor value: host sync, breaks capture
             pass
-        return original(x, plan, st, rope)
+        return original(a, plan, st)
 
-    attn.forward = bad_step
+    attn.attend = bad_step
     found = detect_sync.check(model, 300)
     kinds = {(v.kind, v.piece) for v in found}
     assert ("host sync", "layers.1 (csa, ratio 4)") in kinds

@@ -293,6 +293,37 @@ def test_cuda_graph_decode_generates_what_eager_decode_generates(tokenizer):
         assert graphs.generate_ids(ids, greedy) == eager.generate_ids(ids, greedy)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_prefill_graphs_generate_what_eager_prefill_generates(tokenizer):
+    # with the fast ops the engine prefills full 128-token chunks after the first through the prefill graphs; greedy
+    # output and log-probabilities equal the eager engine's, for a fresh prompt and one continuing a reused prefix
+    from dsv4 import ops
+
+    ops.configure("fast", "cuda")
+    try:
+        raw = tiny_config([4, 0, 16], n_mtp=0, vocab=VOCAB, max_pos=1024)
+        model = random_model(raw, Numerics("exact", torch.float32), seed=2).place(["cuda:0"])
+        graphs = Engine(model, tokenizer, max_context=800, graphs=True)
+        assert graphs.prefill is not None
+        eager = Engine(model, tokenizer, max_context=800, graphs=False)
+        assert eager.prefill is None
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
+        first = prompt_ids(3 * 128 + 20, 5)
+        a, b = graphs.complete(first, greedy, reuse_prefix=True, logprobs=2), eager.complete(first, greedy, logprobs=2)
+        # the first token comes from the prefill alone (the same bits); later ones from graph vs eager decode steps
+        assert a.token_ids == b.token_ids and a.logprobs[0] == b.logprobs[0]
+        assert all(abs(x["logprob"] - y["logprob"]) < 1e-3 for x, y in zip(a.logprobs, b.logprobs))
+        second = first + a.token_ids + prompt_ids(2 * 128 + 3, 6)  # full chunks from an unaligned start
+        c = graphs.complete(second, greedy, reuse_prefix=True, logprobs=2)
+        assert c.cached_tokens == len(first) + len(a.token_ids) - 1
+        d = eager.complete(second, greedy, logprobs=2)
+        assert c.token_ids == d.token_ids  # (the reused prefix's last tokens came from decode steps in c)
+        assert all(abs(x["logprob"] - y["logprob"]) < 1e-3 for x, y in zip(c.logprobs, d.logprobs))
+    finally:
+        ops.configure("ref", "cpu")
+
+
 # ---- stop strings, log-probabilities, Ctrl-C, raw prompts, prefix reuse ------------------------------
 
 

@@ -4,13 +4,14 @@ CPU: the static decode step, run eagerly, equals the chunked reference path at e
 across compressor emission boundaries. GPU: graph replay equals the eager static step bitwise for
 2 x 128 + 5 steps with ratios 4 and 128 and with ratio 16, with the reference and with the fast ops;
 two GPUs when present. The compressors and the indexer run on a side stream (SideBranch) with the same bits as in line.
+Prefill: full chunks through the prefill graphs equal the eager chunks bitwise (streams and state).
 """
 
 import pytest
 import torch
 
 from dsv4.config import ModelConfig
-from dsv4.graphs import DecodeRunner
+from dsv4.graphs import DecodeRunner, PrefillRunner
 from dsv4.model.layers import Numerics
 from dsv4.model.transformer import Transformer
 from dsv4.testing import assert_close_rel, randomize_, tiny_config
@@ -257,3 +258,81 @@ def test_side_stream_has_its_own_counters_and_never_aliases():
     # a split-K launch on the side stream may run during one on the main stream: separate counters
     assert side_c.data_ptr() != main_c.data_ptr() and side_g.data_ptr() != main_g.data_ptr()
     assert triton_util.arrival_counters(dev, "test side counters", 8).data_ptr() == main_c.data_ptr()
+
+
+def _state_tensors(state) -> list[torch.Tensor]:
+    out = []
+    for b in state.blocks:
+        out.append(b.window)
+        for c in (b.compressor, b.indexer):
+            if c is not None:
+                out += [c.kv, c.score, c.entries]
+    return out
+
+
+def _prefill(model, state, ids, p0, chunk, runner=None):
+    # ids [1, P] at positions p0..: each chunk's final streams (cloned), as the engine's loop runs them
+    state.pos = p0
+    outs = []
+    with torch.no_grad():
+        for s in range(0, ids.shape[1], chunk):
+            part = ids[:, s:s + chunk]
+            if runner is not None and runner.applies(part.shape[1], p0 + s):
+                outs.append(runner.run(part, p0 + s).clone())
+            else:
+                outs.append(model.forward_streams(part, state).clone())
+    return outs
+
+
+def _bf16_model(ratios, seed):
+    raw = tiny_config(ratios, index_topk=3, window=16, max_pos=512, hidden=256, head_dim=128, rope_dim=64,
+                      index_dim=64, expert_dtype="fp4", experts=32,
+                      quantization_config=dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic",
+                                               scale_fmt="ue8m0", weight_block_size=[128, 128]))
+    return raw, randomize_(Transformer(ModelConfig.from_dict(raw), Numerics("reference", torch.bfloat16)), seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kernels", ["fast"], indirect=True)
+@pytest.mark.parametrize("numerics", ["reference-bf16", "exact-fp32"])
+def test_graph_prefill_equals_eager_prefill(kernels, numerics):
+    # CSA (indexer, top-3) + HCA + SWA layers, 32-token chunks (window 16): the first chunk and a 7-token tail run
+    # eagerly, the four full chunks between them through the graphs; then a prompt continuing from position 45 (a
+    # reused prefix: chunks not aligned to 32) and a fresh one after a reset
+    raw, model = _bf16_model([4, 16, 0, 8], 6) if numerics == "reference-bf16" else _model([4, 16, 0, 8], seed=6)
+    model.place(["cuda:0"])
+    ids = torch.tensor([_ids(raw, 5 * 32 + 7, seed=11)], device="cuda:0")
+    eager_state, graph_state = model.new_state(320), model.new_state(320)
+    runner = PrefillRunner(model, graph_state, 32)
+    assert graph_state.pos == 0 and all(not t.any() or t.isinf().all() for t in _state_tensors(graph_state))
+    ref = _prefill(model, eager_state, ids, 0, 32)
+    out = _prefill(model, graph_state, ids, 0, 32, runner)
+    for k, (a, b) in enumerate(zip(out, ref)):
+        assert torch.equal(a, b), f"chunk {k} differs"
+    for a, b in zip(_state_tensors(graph_state), _state_tensors(eager_state)):
+        assert torch.equal(a, b)
+    assert graph_state.pos == eager_state.pos == ids.shape[1]
+    # a continuation from a reused prefix of 45 tokens (both states hold the same 167 tokens; positions 45.. are
+    # rewritten with other ids)
+    more = torch.tensor([_ids(raw, 3 * 32, seed=12)], device="cuda:0")
+    for st in (eager_state, graph_state):
+        st.pos = 45
+    ref = _prefill(model, eager_state, more, 45, 32)
+    out = _prefill(model, graph_state, more, 45, 32, runner)
+    assert all(torch.equal(a, b) for a, b in zip(out, ref))
+    assert all(torch.equal(a, b) for a, b in zip(_state_tensors(graph_state), _state_tensors(eager_state)))
+    # the graphs ran (not the eager fallback) and follow new ids: a chunk's streams depend on its tokens
+    graph_state.reset()
+    eager_state.reset()
+    again = _prefill(model, graph_state, ids, 0, 32, runner)
+    assert all(torch.equal(a, b) for a, b in zip(again, _prefill(model, eager_state, ids, 0, 32)))
+    assert not torch.equal(again[1], out[1])
+
+
+def test_prefill_runner_rejects_bad_use():
+    raw, model = _model([4], seed=1)
+    with pytest.raises(ValueError, match="batch 1"):
+        PrefillRunner(model, model.new_state(128, batch=2), 32)
+    with pytest.raises(ValueError, match="CUDA graphs need the model on CUDA"):
+        PrefillRunner(model, model.new_state(128), 32)

@@ -9,10 +9,10 @@ the step reads a full context. Prints a table and writes JSON (--json). A benchm
 Needs a CUDA GPU.
 
 --prefill N also times the chunked prefill of an N-token prompt that ends at each context (chunks of up to
-128 tokens, eager as the engine runs them; the state filled at random before the prompt): per layer ms per
-1K prompt tokens (CUDA events between layers), the whole prefill's wall time, and the projection to 43
-layers in ms and prompt tokens per second; with --profile also one chunk's GPU time per layer kind split by
-op.
+128 tokens; the state filled at random before the prompt), eager and (fast MoE) as the engine runs it, the full
+chunks after the first through the prefill graphs (dsv4/graphs.py PrefillRunner): per layer ms per 1K prompt
+tokens (CUDA events between layers), the whole prefill's wall time, and the projection to 43 layers in ms and
+prompt tokens per second; with --profile also one eager chunk's GPU time per layer kind split by op.
 """
 
 from __future__ import annotations
@@ -194,11 +194,11 @@ def pf_ids(model, ctx: int, tokens: int):
     return torch.randint(0, model.cfg.vocab_size, (1, tokens), generator=g).to(model.embed.weight.device)
 
 
-def prefill_run(model, state, ids, p0: int, events: bool, keep: dict | None = None):
-    """Prefill ids [1, P] at positions p0.. in chunks of the engine's PREFILL_CHUNK tokens through
-    Transformer.forward_streams (no head). events: a CUDA event pair around every layer's call of every chunk,
-    returned as [(layer, start, end)] (read after a sync); else []. keep: filled with each layer's arguments in the
-    last chunk."""
+def prefill_run(model, state, ids, p0: int, events: bool, keep: dict | None = None, runner=None):
+    """Prefill ids [1, P] at positions p0.. in chunks of the engine's PREFILL_CHUNK tokens as the engine does: through
+    the prefill graphs (runner: a PrefillRunner) where they apply, else Transformer.forward_streams (no head).
+    events: a CUDA event pair around every layer's call of every chunk, returned as [(layer, start, end)] (read after
+    a sync); else []. keep: filled with each layer's arguments in the last eager chunk."""
     import torch
 
     from dsv4.engine import PREFILL_CHUNK
@@ -219,14 +219,27 @@ def prefill_run(model, state, ids, p0: int, events: bool, keep: dict | None = No
 
     state.pos = p0
     for c0 in range(0, ids.shape[1], PREFILL_CHUNK):
-        model.forward_streams(ids[:, c0:c0 + PREFILL_CHUNK], state, call)
+        chunk = ids[:, c0:c0 + PREFILL_CHUNK]
+        if runner is not None and runner.applies(chunk.shape[1], p0 + c0):
+            marks = [torch.cuda.Event(enable_timing=True)] if events else []
+            if events:
+                marks[0].record()
+
+            def done(i, marks=marks):
+                marks.append(torch.cuda.Event(enable_timing=True))
+                marks[-1].record()
+
+            runner.run(chunk, p0 + c0, done if events else None)
+            recs += [(i, marks[i], marks[i + 1]) for i in range(len(marks) - 1)]
+        else:
+            model.forward_streams(chunk, state, call)
     return recs
 
 
-def time_prefill(model, state, ctx: int, tokens: int, devices) -> dict:
+def time_prefill(model, state, ctx: int, tokens: int, devices, runner=None) -> dict:
     """The prefill of a `tokens`-token prompt ending at position ctx (random state before it): per layer ms
     (summed over the chunks, CUDA events) and the wall time of the whole prefill (median of 3 runs after a
-    warm-up; every run rewrites the same positions)."""
+    warm-up; every run rewrites the same positions). runner: through the prefill graphs (else eager)."""
     import statistics
 
     import torch
@@ -235,17 +248,17 @@ def time_prefill(model, state, ctx: int, tokens: int, devices) -> dict:
     ids = pf_ids(model, ctx, tokens)
     model.prepare()
     fill_state(state, p0, seed=ctx)
-    prefill_run(model, state, ids, p0, False)  # warm-up
+    prefill_run(model, state, ids, p0, False, runner=runner)  # warm-up
     walls, layer_runs = [], []
     for _ in range(3):
         for d in dict.fromkeys(devices):
             torch.cuda.synchronize(d)
         t0 = time.perf_counter()
-        prefill_run(model, state, ids, p0, False)
+        prefill_run(model, state, ids, p0, False, runner=runner)
         for d in dict.fromkeys(devices):
             torch.cuda.synchronize(d)
         walls.append((time.perf_counter() - t0) * 1e3)
-        recs = prefill_run(model, state, ids, p0, True)
+        recs = prefill_run(model, state, ids, p0, True, runner=runner)
         for d in dict.fromkeys(devices):
             torch.cuda.synchronize(d)
         per = [0.0] * len(model.layers)
@@ -255,7 +268,20 @@ def time_prefill(model, state, ctx: int, tokens: int, devices) -> dict:
     layer_ms = [statistics.median(r[i] for r in layer_runs) for i in range(len(model.layers))]
     from dsv4.engine import PREFILL_CHUNK
 
-    return {"tokens": tokens, "chunk": PREFILL_CHUNK, "start": p0, "wall_ms": statistics.median(walls), "layer_ms": layer_ms}
+    return {"tokens": tokens, "chunk": PREFILL_CHUNK, "start": p0, "wall_ms": statistics.median(walls),
+            "layer_ms": layer_ms, "mode": "graphs" if runner is not None else "eager"}
+
+
+def project_prefill(pf: dict, cfg, kinds: dict, tokens: int) -> dict:
+    """Adds the 43-layer projection (ms per 1K prompt tokens, tok/s) from the per-layer times by layer kind."""
+    by_kind = {}
+    for s, ms in zip(cfg.layers, pf["layer_ms"]):
+        by_kind.setdefault(s.attn, []).append(ms * 1000 / tokens)
+    mean = {k: sum(v) / len(v) for k, v in by_kind.items()}
+    if all(k in mean for k in kinds):
+        pf["projected_43_layer_ms_per_1k"] = sum(kinds[k] * mean[k] for k in kinds)
+        pf["projected_43_layer_tok_s"] = 1e6 / pf["projected_43_layer_ms_per_1k"]
+    return pf
 
 
 def short_kernel_name(name: str) -> str:
@@ -294,8 +320,8 @@ def main(argv=None) -> int:
                    help="run what the model puts on a second stream (the step plan, the compressors, the indexer) in "
                         "line, for an A/B of the overlap (default: overlapped)")
     p.add_argument("--prefill", type=int, default=0, metavar="N",
-                   help="also time the chunked prefill (128-token chunks) of an N-token prompt ending at each context "
-                        "(default: 0, decode only)")
+                   help="also time the chunked prefill (128-token chunks) of an N-token prompt ending at each context, "
+                        "eager and through the prefill graphs (default: 0, decode only)")
     p.add_argument("--json", metavar="F", help="write the results as JSON to F (default: none)")
     args = p.parse_args(argv)
 
@@ -321,6 +347,8 @@ def main(argv=None) -> int:
         return 2
     print(ops.banner(kernel_report), file=sys.stderr)
     set_overlap(not args.no_overlap)
+    # the prefill graphs need host-sync-free ops (the reference MoE syncs), as the engine decides
+    prefill_graphs = ops.OPS["moe_experts"].active == "fast"
     print(f"side branches (step plan, compressors, indexer): {'in line' if args.no_overlap else 'on a second stream'}",
           file=sys.stderr)
     devices = [d.strip() for d in args.device.split(",") if d.strip()]
@@ -383,13 +411,15 @@ def main(argv=None) -> int:
             runner = None  # free this mode's graphs and their memory pools before the next
         if args.prefill:
             pf = time_prefill(model, state, ctx, args.prefill, devices)
-            by_kind = {}
-            for s, ms in zip(cfg.layers, pf["layer_ms"]):
-                by_kind.setdefault(s.attn, []).append(ms * 1000 / args.prefill)
-            mean = {k: sum(v) / len(v) for k, v in by_kind.items()}
-            if all(k in mean for k in kinds):
-                pf["projected_43_layer_ms_per_1k"] = sum(kinds[k] * mean[k] for k in kinds)
-                pf["projected_43_layer_tok_s"] = 1e6 / pf["projected_43_layer_ms_per_1k"]
+            project_prefill(pf, cfg, kinds, args.prefill)
+            if prefill_graphs:
+                from dsv4.engine import PREFILL_CHUNK
+                from dsv4.graphs import PrefillRunner
+
+                runner = PrefillRunner(model, state, PREFILL_CHUNK)
+                row["prefill_graphs"] = project_prefill(time_prefill(model, state, ctx, args.prefill, devices, runner),
+                                                        cfg, kinds, args.prefill)
+                runner = None
             if args.profile:
                 keep: dict = {}
                 prefill_run(model, state, pf_ids(model, ctx, args.prefill), ctx - args.prefill, False, keep)
@@ -438,18 +468,22 @@ def main(argv=None) -> int:
                   f"{100 * gbps / bw:>8.2f}% | {proj:>12}")
     if args.prefill:
         chunk = results[0]["prefill"]["chunk"]
-        print(f"\nprefill of a {args.prefill}-token prompt ending at the context, chunks of {chunk} tokens, eager")
-        hdr = (f"{'context':>8} | {'wall ms':>8} | {'per-layer ms per 1K tokens (' + ','.join(s.attn for s in cfg.layers) + ')':<48}"
+        print(f"\nprefill of a {args.prefill}-token prompt ending at the context, chunks of {chunk} tokens: eager, and "
+              f"graphs (full chunks after the first through the prefill graphs, as the engine runs them)")
+        hdr = (f"{'context':>8} | {'mode':>6} | {'wall ms':>8} | "
+               f"{'per-layer ms per 1K tokens (' + ','.join(s.attn for s in cfg.layers) + ')':<48}"
                f" | {'proj. 43L ms/1K':>15} | {'proj. 43L tok/s':>15}")
         print(hdr)
         print("-" * len(hdr))
         for r in results:
-            pf = r["prefill"]
-            layers = ",".join(f"{x * 1000 / args.prefill:.2f}" for x in pf["layer_ms"])
-            proj = pf.get("projected_43_layer_ms_per_1k")
-            print(f"{r['context']:>8} | {pf['wall_ms']:>8.2f} | {layers:<48} | "
-                  f"{'' if proj is None else f'{proj:.1f}':>15} | "
-                  f"{'' if proj is None else f'{1e6 / proj:.0f}':>15}")
+            for pf in (r["prefill"], r.get("prefill_graphs")):
+                if pf is None:
+                    continue
+                layers = ",".join(f"{x * 1000 / args.prefill:.2f}" for x in pf["layer_ms"])
+                proj = pf.get("projected_43_layer_ms_per_1k")
+                print(f"{r['context']:>8} | {pf['mode']:>6} | {pf['wall_ms']:>8.2f} | {layers:<48} | "
+                      f"{'' if proj is None else f'{proj:.1f}':>15} | "
+                      f"{'' if proj is None else f'{1e6 / proj:.0f}':>15}")
     for r in results:
         for kind, pr in r.get("prefill", {}).get("profile", {}).items():
             parts = ", ".join(f"{k} {v:.3f}" for k, v in pr["split_ms"].items())

@@ -11,6 +11,8 @@ in CSA layers the indexer after them (once its queries exist); both join before 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -76,10 +78,17 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, plan: StepPlan, st: BlockState, rope: Rope) -> torch.Tensor:
         # x: [B,S,D] (attn_norm output) at positions plan.pos -> [B,S,D]
-        B, S, _ = x.shape
-        ref = self.numerics.reference
+        return self.finish(self.attend(self.begin(x, plan, st, rope), plan, st))
+
+    # The forward in three phases, for the prefill graph runner (dsv4/graphs.py): `begin` and `finish` have the same
+    # shapes at every full prefill chunk and are captured; `attend` reads index lists whose width follows the chunk's
+    # end and runs eagerly between them. forward() runs the three in a row: the same kernels in the same order.
+    def begin(self, x: torch.Tensor, plan: StepPlan, st: BlockState, rope: Rope, join: bool = False) -> "AttnStart":
+        """The projections: the compressors (and their fused projection of x) on a side branch, wq_a || wkv, the
+        query's norm + wq_b (|| the indexer's wq_b). join: the side branch is joined here (a captured piece must end
+        with it), not before the attention."""
         cos, sin = plan.rope(rope)
-        comp_branch = None
+        comp_branch = proj = None
         if self.compressor is not None:  # (on the side stream, its work follows a plan still being built)
             # the compressors read x and their own state only: a side branch beside the query / kv path, joined
             # before the indexer's scores and the attention read its entries
@@ -99,7 +108,19 @@ class Attention(nn.Module):
             q, q_idx = self.q_b.normed(q_a, self.q_norm)
         else:
             q, q_idx = self.wq_b.normed(q_a, self.q_norm), None
-        kv_comp = idx_comp = None
+        if self.compressor is not None:
+            plan.n_visible(self.spec.ratio)  # made here: plan tensors come from this stream (and a captured piece)
+            if join:
+                comp_branch.join()
+                comp_branch = None
+        return AttnStart(x.shape[0], x.shape[1], rope, cos, sin, q, q_idx, kv, proj, comp_branch)
+
+    def attend(self, a: "AttnStart", plan: StepPlan, st: BlockState) -> torch.Tensor:
+        """The index lists, the indexer (CSA), the queries' and kv's norm + RoPE, the sparse attention and (prefill)
+        the ring insert -> o [B,S,H,hd]."""
+        B, S = a.B, a.S
+        ref = self.numerics.reference
+        kv_comp = idx_comp = idx_branch = None
         if self.compressor is not None:
             n = plan.n_entries(self.spec.ratio, st.compressor.entries.shape[1] - 1)
             kv_comp = st.compressor.entries[:, :n]
@@ -107,30 +128,52 @@ class Attention(nn.Module):
                 # the indexer's chain (its queries' RoPE, scores, top-k) on the side stream too, after the
                 # compressors whose key entries it reads (the same stream), beside the queries' norm + RoPE and
                 # the kv insert
-                n_vis = plan.n_visible(self.spec.ratio)  # made here: plan tensors come from this stream
-                idx_branch = SideBranch(x.device)
+                n_vis = plan.n_visible(self.spec.ratio)
+                idx_branch = SideBranch(a.q.device)
                 with idx_branch:
-                    idx_comp = self.indexer(q_idx, proj[4], plan, st.indexer, rope, n, n_vis)
+                    idx_comp = self.indexer(a.q_idx, a.proj[4], plan, st.indexer, a.rope, n, n_vis)
             else:  # HCA: every visible entry, ascending
                 idx_comp = plan.prefix_idx(self.spec.ratio, n).expand(B, -1, -1)
-        q = q.unflatten(-1, (self.n_heads, self.head_dim))
+        q = a.q.unflatten(-1, (self.n_heads, self.head_dim))
         plan.ready()  # the step plan's kernels (built beside this layer so far, see Transformer.layer_step)
         nope = self.nope_dim if ref else 0
+        cos, sin = a.cos, a.sin
         # the query's and kv's norm + RoPE in one op; the ring keeps the last W raw kv vectors, slot = position mod W
         if plan.ring_first:  # one token: normed straight into its slot, the ring is the whole window
-            q, _ = ops.qkv_norm_rope(q, kv, self.kv_norm.weight, self.eps, cos, sin, ref, nope, st.window,
+            q, _ = ops.qkv_norm_rope(q, a.kv, self.kv_norm.weight, self.eps, cos, sin, ref, nope, st.window,
                                      plan.ring_slots)
             kv_win = st.window
         else:
-            q, kv = ops.qkv_norm_rope(q, kv, self.kv_norm.weight, self.eps, cos, sin, ref, nope)
+            q, kv = ops.qkv_norm_rope(q, a.kv, self.kv_norm.weight, self.eps, cos, sin, ref, nope)
             kv_win = torch.cat((st.window, kv), 1)  # ring (positions < start) ++ this chunk
         idx_win = plan.win_idx.expand(B, -1, -1)
-        if self.compressor is not None:  # the last branch's join covers the earlier one (one side stream)
-            (idx_branch if self.indexer is not None else comp_branch).join()
+        # the last branch's join covers the earlier one (one side stream)
+        last = idx_branch if idx_branch is not None else a.comp_branch
+        if last is not None:
+            last.join()
         # the output's RoPE dims rotated back to the query's position (V = K carries RoPE) in the same op
         o = ops.sparse_attn(q, kv_win, idx_win, kv_comp, idx_comp, self.attn_sink, self.head_dim ** -0.5, cos, sin)
-
         if not plan.ring_first:
             st.window.index_copy_(1, plan.ring_slots, kv[:, S - plan.ring_slots.shape[0]:])
+        return o
+
+    def finish(self, o: torch.Tensor) -> torch.Tensor:
+        """o [B,S,H,hd] -> the grouped wo_a, then wo_b -> [B,S,D]."""
         z = ops.wo_a(o.flatten(2).unflatten(-1, (self.o_groups, -1)), *self.wo_a_grouped())
         return self.wo_b(z.flatten(2))
+
+
+@dataclass
+class AttnStart:
+    """What Attention.begin hands to Attention.attend."""
+
+    B: int
+    S: int
+    rope: Rope
+    cos: torch.Tensor
+    sin: torch.Tensor
+    q: torch.Tensor  # [B,S,H*hd] before its norm
+    q_idx: torch.Tensor | None  # the indexer's queries (CSA)
+    kv: torch.Tensor  # [B,S,hd] before its norm
+    proj: tuple | None  # the compressors' projections (|| the indexer's head weights)
+    comp_branch: SideBranch | None  # the compressors' side branch, not joined yet

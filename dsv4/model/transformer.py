@@ -76,8 +76,19 @@ class Block(nn.Module):
         # x: [B,S,hc,D] residual streams at plan.pos -> [B,S,hc,D]; the same code for a prefill chunk
         # and the captured S = 1 decode step. Each sublayer's input is mhc_pre then its RMSNorm; the attention's
         # mhc_post and the FFN's pre run as one boundary op, the FFN's post inside its experts' op
+        carry, a = self.begin(x, plan, st, rope)
+        return self.finish(self.attn.attend(a, plan, st), carry, ids)
+
+    # forward in the attention's three phases (begin, attn.attend, finish: see Attention.begin)
+    def begin(self, x: torch.Tensor, plan: StepPlan, st: BlockState, rope: Rope, join: bool = False) -> tuple:
+        """The attention's mhc_pre + RMSNorm and its projections -> (carry for finish, AttnStart)."""
         y, post, comb = ops.mhc_pre_norm(x, *self._hc_args("attn", self.attn_norm))
-        f = self.attn(y, plan, st, rope)
+        return (x, post, comb), self.attn.begin(y, plan, st, rope, join)
+
+    def finish(self, o: torch.Tensor, carry: tuple, ids: torch.Tensor) -> torch.Tensor:
+        """The attention's output projections, the mHC boundary and the FFN -> the new streams."""
+        x, post, comb = carry
+        f = self.attn.finish(o)
         x, y, post, comb = ops.mhc_post_pre_norm(f, x, post, comb, *self._hc_args("ffn", self.ffn_norm))
         return self.ffn(y, ids, x, post, comb)  # the FFN's mhc_post inside ops.moe_post
 
@@ -256,8 +267,7 @@ class Transformer(nn.Module):
             raise ValueError(f"positions {p0}..{p0 + S - 1} exceed the state's max_len {state.max_len}")
         if p0 + S > self.max_pos:
             raise ValueError(f"positions {p0}..{p0 + S - 1} exceed the model's RoPE table ({self.max_pos})")
-        h = self.embed.weight[ids].to(self.numerics.dtype)  # [B,S,D]
-        x = h.unsqueeze(2).repeat(1, 1, self.cfg.hc_mult, 1)  # four identical streams
+        x = self.embed_streams(ids)
         plans: dict = {}
         for i, (layer, st) in enumerate(zip(self.layers, state.blocks)):
             x = x.to(layer.attn_norm.weight.device)
@@ -265,6 +275,11 @@ class Transformer(nn.Module):
             x = layer(*args) if layer_call is None else layer_call(i, layer, args)
         state.pos = p0 + S
         return x
+
+    def embed_streams(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids: [B,S] -> the four identical residual streams [B,S,hc,D] of their embeddings."""
+        h = self.embed.weight[ids].to(self.numerics.dtype)  # [B,S,D]
+        return h.unsqueeze(2).repeat(1, 1, self.cfg.hc_mult, 1)
 
     def _plan(self, plans: dict, device, p0: int, S: int) -> StepPlan:
         # one plan per device per step; S = 1 builds a plan of the decode step's static sizes and values (the
@@ -276,7 +291,10 @@ class Transformer(nn.Module):
 
     def forward(self, ids: torch.Tensor, state: ModelState, last_only: bool = False) -> torch.Tensor:
         """ids: [B,S] -> next-token logits [B,S,vocab] fp32 (or [B,1,vocab] with last_only)."""
-        x = self.forward_streams(ids, state)
+        return self.head_logits(self.forward_streams(ids, state), last_only)
+
+    def head_logits(self, x: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        """Final residual streams [B,S,hc,D] -> next-token logits [B,S,vocab] fp32 (or [B,1,vocab] with last_only)."""
         if last_only:
             x = x[:, -1:]
         x = x.to(self.head.weight.device)
