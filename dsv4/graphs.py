@@ -187,8 +187,8 @@ class PrefillRunner:
     lists, the indexer, the queries' and kv's norm + RoPE, the sparse attention, the ring insert) runs eagerly
     between the two replays, its output copied into a static buffer. The chunk's plan (positions, window lists, RoPE
     rows, visible counts) is made inside the device's first graph from a static start position, and the token ids
-    are copied into a static buffer per device. The first chunk (its window lists are shorter) and a shorter last
-    chunk run eagerly (`Transformer.forward_streams`). The same kernels run in the same order on the same inputs as
+    are copied into a static buffer per device. A shorter last chunk, and a first chunk shorter than the window
+    (its window lists are shorter), run eagerly (`Transformer.forward_streams`). The same kernels run in the same order on the same inputs as
     in the eager chunk: the same bits. Memory: every layer's `begin` outputs (at Flash width ~11 MB: the queries
     before their norm, the indexer's queries, the compressors' projections) and output streams (4 MB) stay in the
     graphs' pool. Needs ops without host syncs (the fast backend's; the reference MoE syncs)."""
@@ -223,8 +223,10 @@ class PrefillRunner:
         self._capture(warmup)
 
     def applies(self, S: int, p0: int) -> bool:
-        """Whether a chunk of S tokens at position p0 runs through the graphs (else forward_streams runs it)."""
-        return S == self.chunk and p0 > 0
+        """Whether a chunk of S tokens at position p0 runs through the graphs (else forward_streams runs it): a full
+        chunk past position 0, or at 0 where the chunk is no shorter than the window (its window lists are then the
+        same width as a later chunk's)."""
+        return S == self.chunk and (p0 > 0 or self.chunk >= self.model.cfg.sliding_window)
 
     def _plan(self, dev) -> StepPlan:
         return StepPlan.build(self.start[dev], self.chunk, self.model.cfg.sliding_window, None)
@@ -299,13 +301,13 @@ class PrefillRunner:
 
     @torch.no_grad()
     def run(self, ids: torch.Tensor, p0: int, layer_done=None) -> torch.Tensor:
-        """ids [1, chunk] (on the embedding's device) at positions p0.. (p0 > 0) -> the final residual streams
+        """ids [1, chunk] (on the embedding's device) at positions p0.. (see applies) -> the final residual streams
         [1, chunk, hc, D] (a graph output: valid until the next run); advances state.pos. layer_done(i), if given, is
         called after layer i's work is queued (tools time the layers)."""
         S = ids.shape[1]
         if ids.shape[0] != 1 or not self.applies(S, p0):
-            raise ValueError(f"the prefill graphs run [1, {self.chunk}] chunks past position 0, got "
-                             f"{list(ids.shape)} at {p0}")
+            raise ValueError(f"the prefill graphs run [1, {self.chunk}] chunks (past position 0 unless the "
+                             f"chunk covers the window), got {list(ids.shape)} at {p0}")
         if p0 + S > self.state.max_len:
             raise ValueError(f"positions {p0}..{p0 + S - 1} exceed the state's max_len {self.state.max_len}")
         for buf in self.ids.values():

@@ -284,8 +284,8 @@ def _prefill(model, state, ids, p0, chunk, runner=None):
     return outs
 
 
-def _bf16_model(ratios, seed):
-    raw = tiny_config(ratios, index_topk=3, window=16, max_pos=512, hidden=256, head_dim=128, rope_dim=64,
+def _bf16_model(ratios, seed, window=16):
+    raw = tiny_config(ratios, index_topk=3, window=window, max_pos=512, hidden=256, head_dim=128, rope_dim=64,
                       index_dim=64, expert_dtype="fp4", experts=32,
                       quantization_config=dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic",
                                                scale_fmt="ue8m0", weight_block_size=[128, 128]))
@@ -295,16 +295,21 @@ def _bf16_model(ratios, seed):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kernels", ["fast"], indirect=True)
-@pytest.mark.parametrize("numerics", ["reference-bf16", "exact-fp32"])
-def test_graph_prefill_equals_eager_prefill(kernels, numerics):
-    # CSA (indexer, top-3) + HCA + SWA layers, 32-token chunks (window 16): the first chunk and a 7-token tail run
-    # eagerly, the four full chunks between them through the graphs; then a prompt continuing from position 45 (a
-    # reused prefix: chunks not aligned to 32) and a fresh one after a reset
-    raw, model = _bf16_model([4, 16, 0, 8], 6) if numerics == "reference-bf16" else _model([4, 16, 0, 8], seed=6)
+@pytest.mark.parametrize("numerics,window", [("reference-bf16", 16), ("exact-fp32", 16), ("exact-fp32", 64)])
+def test_graph_prefill_equals_eager_prefill(kernels, numerics, window):
+    # CSA (indexer, top-3) + HCA + SWA layers, 32-token chunks: the full chunks run through the graphs, a 7-token tail
+    # eagerly, and the first chunk through the graphs where it covers the window (16), else eagerly (64: its window
+    # lists are shorter); then a prompt continuing from position 45 (a reused prefix: chunks not aligned to 32) and
+    # a fresh one after a reset
+    if numerics == "reference-bf16":
+        raw, model = _bf16_model([4, 16, 0, 8], 6, window)
+    else:
+        raw, model = _model([4, 16, 0, 8], seed=6, window=window)
     model.place(["cuda:0"])
     ids = torch.tensor([_ids(raw, 5 * 32 + 7, seed=11)], device="cuda:0")
     eager_state, graph_state = model.new_state(320), model.new_state(320)
     runner = PrefillRunner(model, graph_state, 32)
+    assert runner.applies(32, 0) == (window <= 32) and runner.applies(32, 45) and not runner.applies(7, 160)
     assert graph_state.pos == 0 and all(not t.any() or t.isinf().all() for t in _state_tensors(graph_state))
     ref = _prefill(model, eager_state, ids, 0, 32)
     out = _prefill(model, graph_state, ids, 0, 32, runner)

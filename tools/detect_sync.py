@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
-"""Graph-capture sync-violation detector: finds what would break or stall the CUDA-graph decode step.
+"""Graph-capture sync-violation detector: finds what would break or stall the CUDA-graph decode step (and prefill).
 
 For the embedding, every layer and the head it (1) runs the static decode step under
 torch.cuda.set_sync_debug_mode("warn") and records every host sync (.item(), a Python branch on a
 tensor value, a synchronous host<->device copy, nonzero/unique, ...) with its module and source line,
 (2) captures the piece as a CUDA graph and reports a capture failure with its source line, and (3)
-replays the whole decode step and reports any device allocation made between graph replays.
-Exits 1 on any violation. Default model: a random tiny model with SWA, CSA and HCA layers.
+replays the whole decode step and reports any device allocation made between graph replays. Where the engine
+prefills through graphs (the fast MoE), it does the same for each layer's two captured prefill pieces and its
+eager middle (host syncs only: the middle allocates by design). Exits 1 on any violation. Default model: a random tiny model with SWA, CSA and HCA layers.
 """
 
 from __future__ import annotations
@@ -127,6 +128,57 @@ def check(model, max_len: int, steps: int = 8) -> list[Violation]:
     if n:
         out.append(Violation("step (graph replay loop)", "device allocation", "dsv4/graphs.py: DecodeRunner.step",
                              f"{n} allocations in {steps} steps"))
+    runner = None
+    return out + check_prefill(model, state, names)
+
+
+def check_prefill(model, state, names: dict) -> list[Violation]:
+    """The prefill graphs (dsv4/graphs.py PrefillRunner), where the engine uses them (fast MoE, room for two chunks):
+    host syncs in each layer's captured pieces (begin, finish) and in its eager middle (attend: a sync there stalls
+    every chunk), capture failures, and host syncs in the replay loop."""
+    import torch
+
+    from dsv4 import ops
+    from dsv4.engine import PREFILL_CHUNK
+    from dsv4.graphs import PrefillRunner
+    from dsv4.model.layers import StepPlan
+
+    chunk = PREFILL_CHUNK
+    if ops.OPS["moe_experts"].active != "fast" or 2 * chunk > min(state.max_len, model.max_pos):
+        return []
+    state.reset()
+    dev0 = model.embed.weight.device
+    ids = torch.randint(0, model.cfg.vocab_size, (1, chunk), generator=torch.Generator().manual_seed(0)).to(dev0)
+    out: list[Violation] = []
+    x, plans, res = model.embed_streams(ids), {}, {}
+    for i, (layer, st) in enumerate(zip(model.layers, state.blocks)):
+        dev = layer.attn_norm.weight.device
+        if dev not in plans:
+            plans[dev] = StepPlan.build(torch.full((1,), chunk, dtype=torch.int64, device=dev), chunk,
+                                        model.cfg.sliding_window, None)
+            plans[dev].end = 2 * chunk
+        plan, x, ids_i = plans[dev], x.to(dev), ids.to(dev)
+        rope = model.rope(layer.spec.rope, dev)
+        out += find_syncs(f"{names[i]} prefill begin",
+                          lambda: res.__setitem__("b", layer.begin(x, plan, st, rope, join=True)))
+        carry, a = res["b"]
+        out += find_syncs(f"{names[i]} prefill middle (eager)",
+                          lambda: res.__setitem__("o", layer.attn.attend(a, plan, st)))
+        out += find_syncs(f"{names[i]} prefill finish",
+                          lambda: res.__setitem__("x", layer.finish(res["o"], carry, ids_i)))
+        x = res["x"]
+    state.reset()
+    try:
+        runner = PrefillRunner(model, state, chunk)
+    except Exception as e:  # noqa: BLE001 - every capture failure is a finding
+        tb = traceback.extract_tb(e.__traceback__)
+        return out + [Violation("prefill graphs", "capture failure", _where(tb),
+                                f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")]
+    finally:
+        torch.cuda.synchronize()
+    out += find_syncs("prefill (graph replays + eager middles)",
+                      lambda: [runner.run(ids, p) for p in (chunk, chunk + 3)])
+    state.reset()
     return out
 
 
@@ -180,8 +232,13 @@ def main(argv=None) -> int:
     for v in found:
         print(f"VIOLATION [{v.kind}] {v.piece}: {v.where} -- {v.detail}")
     n_pieces = len(model.layers) + 2
+    from dsv4.engine import PREFILL_CHUNK
+
+    prefill = ops.OPS["moe_experts"].active == "fast" and 2 * PREFILL_CHUNK <= min(args.max_len, model.max_pos)
+    extra = f"; prefill: {len(model.layers)} x (2 captured pieces + the eager middle)" if prefill else \
+        "; prefill graphs not checked (the engine prefills eagerly with the reference MoE or a state under 2 chunks)"
     print(f"detect_sync: {len(found)} violations in {n_pieces} captured pieces "
-          f"({len(model.layers)} layers + embed + head) on {','.join(devices)}")
+          f"({len(model.layers)} layers + embed + head){extra} on {','.join(devices)}")
     return 1 if found else 0
 
 
