@@ -276,17 +276,21 @@ def test_timings_are_finite(engine):
     assert set(t) == {"load_s", "ttft_s", "prefill_tok_s", "decode_s", "decode_tok_s"}
 
 
+def _graph_and_eager_engines(tokenizer, seed: int, max_context: int) -> tuple[Engine, Engine]:
+    # one random tiny CSA / SWA / HCA model on cuda:0 behind an engine with CUDA graphs and one without
+    raw = tiny_config([4, 0, 16], n_mtp=0, vocab=VOCAB, max_pos=1024)
+    model = random_model(raw, Numerics("exact", torch.float32), seed=seed).place(["cuda:0"])
+    return (Engine(model, tokenizer, max_context=max_context, graphs=True),
+            Engine(model, tokenizer, max_context=max_context, graphs=False))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graph_decode_generates_what_eager_decode_generates(tokenizer):
     # the engine decodes through per-layer CUDA graphs on CUDA; greedy output must equal eager decode
     # (the chunked path one token at a time) and the graphs must be reusable across requests
-    raw = tiny_config([4, 0, 16], n_mtp=0, vocab=VOCAB, max_pos=1024)
-    model = random_model(raw, Numerics("exact", torch.float32), seed=1).place(["cuda:0"])
-    graphs = Engine(model, tokenizer, max_context=512, graphs=True)
-    assert graphs.runner is not None
-    eager = Engine(model, tokenizer, max_context=512, graphs=False)
-    assert eager.runner is None
+    graphs, eager = _graph_and_eager_engines(tokenizer, 1, 512)
+    assert graphs.runner is not None and eager.runner is None
     greedy = SamplingParams(temperature=0.0, max_new_tokens=60)
     for seed, n in ((0, 150), (1, 7)):
         ids = prompt_ids(n, seed)
@@ -302,12 +306,8 @@ def test_prefill_graphs_generate_what_eager_prefill_generates(tokenizer):
 
     ops.configure("fast", "cuda")
     try:
-        raw = tiny_config([4, 0, 16], n_mtp=0, vocab=VOCAB, max_pos=1024)
-        model = random_model(raw, Numerics("exact", torch.float32), seed=2).place(["cuda:0"])
-        graphs = Engine(model, tokenizer, max_context=800, graphs=True)
-        assert graphs.prefill is not None
-        eager = Engine(model, tokenizer, max_context=800, graphs=False)
-        assert eager.prefill is None
+        graphs, eager = _graph_and_eager_engines(tokenizer, 2, 800)
+        assert graphs.prefill is not None and eager.prefill is None
         greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
         first = prompt_ids(3 * 128 + 20, 5)
         a, b = graphs.complete(first, greedy, reuse_prefix=True, logprobs=2), eager.complete(first, greedy, logprobs=2)
