@@ -289,13 +289,13 @@ class Engine:
         model.prepare()
         self.runner = self.prefill = None
         if graphs and self.input_device.type == "cuda":
-            from dsv4.graphs import DecodeRunner, PrefillRunner
+            from dsv4.graphs import DecodeRunner, PrefillRunner, prefill_graphs_apply
 
             self.runner = DecodeRunner(model, self.state, use_graphs=True)
             self._warm_up()
             # full prefill chunks after the first replay two graphs per layer (the reference MoE syncs with the host,
             # so the reference backend prefills eagerly)
-            if max_context > 2 * PREFILL_CHUNK and ops.OPS["moe_experts"].active == "fast":
+            if max_context > 2 * PREFILL_CHUNK and prefill_graphs_apply():
                 self.prefill = PrefillRunner(model, self.state, PREFILL_CHUNK)
 
     # prefill chunk lengths that select every kernel variant a prompt can need (tiles by power-of-two token

@@ -177,6 +177,14 @@ class DecodeRunner:
         return logits[0, -1]
 
 
+def prefill_graphs_apply() -> bool:
+    """Whether the ops bound now can be captured for prefill: the reference MoE (moe_experts_ref, which moe_post_ref
+    calls) syncs with the host (its expert loop)."""
+    from dsv4 import ops
+
+    return all(ops.OPS[name].active == "fast" for name in ("moe_experts", "moe_post"))
+
+
 class PrefillRunner:
     """Full prefill chunks after the first, batch 1, through two CUDA graphs per layer around an eager middle.
 
@@ -310,6 +318,8 @@ class PrefillRunner:
                              f"chunk covers the window), got {list(ids.shape)} at {p0}")
         if p0 + S > self.state.max_len:
             raise ValueError(f"positions {p0}..{p0 + S - 1} exceed the state's max_len {self.state.max_len}")
+        if p0 + S > self.model.max_pos:
+            raise ValueError(f"positions {p0}..{p0 + S - 1} exceed the model's RoPE table ({self.model.max_pos})")
         for buf in self.ids.values():
             hop(buf, ids)
         for t in self.start.values():

@@ -341,3 +341,41 @@ def test_prefill_runner_rejects_bad_use():
         PrefillRunner(model, model.new_state(128, batch=2), 32)
     with pytest.raises(ValueError, match="CUDA graphs need the model on CUDA"):
         PrefillRunner(model, model.new_state(128), 32)
+
+
+def test_attention_keeps_its_input_until_the_side_branch_joins():
+    # the compressors' GEMM reads the attention's input on the side stream until attend() joins the branch: begin()
+    # must keep that tensor referenced (a freed input could be handed to the main stream's next allocation while the
+    # side GEMM still reads it)
+    import weakref
+
+    from dsv4.model.layers import StepPlan
+
+    raw, model = _model([4, 16], seed=3)
+    st = model.new_state(64)
+    layer = model.layers[0]
+    y = torch.randn(1, 5, raw["hidden_size"])
+    ref = weakref.ref(y)
+    plan = StepPlan.build(torch.zeros(1, dtype=torch.int64), 5, model.cfg.sliding_window, 0)
+    with torch.no_grad():
+        a = layer.attn.begin(y, plan, st.blocks[0], model.rope(layer.spec.rope, torch.device("cpu")))
+        del y
+        assert ref() is not None and a.x is ref()
+        o = layer.attn.attend(a, plan, st.blocks[0])
+    assert o.shape[:2] == (1, 5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_prefill_graphs_need_the_fast_moe():
+    # the reference MoE syncs with the host; moe_post's reference calls it too, so either op on ref rules graphs out
+    from dsv4 import ops
+    from dsv4.graphs import prefill_graphs_apply
+
+    try:
+        assert ops.configure("fast", "cuda") and prefill_graphs_apply()
+        for op in ("moe_post", "moe_experts"):
+            ops.configure("fast", "cuda", {op: "ref"})
+            assert not prefill_graphs_apply()
+    finally:
+        ops.configure("ref", "cpu")

@@ -348,7 +348,9 @@ def main(argv=None) -> int:
     print(ops.banner(kernel_report), file=sys.stderr)
     set_overlap(not args.no_overlap)
     # the prefill graphs need host-sync-free ops (the reference MoE syncs), as the engine decides
-    prefill_graphs = ops.OPS["moe_experts"].active == "fast"
+    from dsv4.graphs import prefill_graphs_apply
+
+    prefill_graphs = prefill_graphs_apply()
     print(f"side branches (step plan, compressors, indexer): {'in line' if args.no_overlap else 'on a second stream'}",
           file=sys.stderr)
     devices = [d.strip() for d in args.device.split(",") if d.strip()]

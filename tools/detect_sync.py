@@ -138,13 +138,13 @@ def check_prefill(model, state, names: dict) -> list[Violation]:
     every chunk), capture failures, and host syncs in the replay loop."""
     import torch
 
-    from dsv4 import ops
     from dsv4.engine import PREFILL_CHUNK
-    from dsv4.graphs import PrefillRunner
+    from dsv4.graphs import PrefillRunner, prefill_graphs_apply
     from dsv4.model.layers import StepPlan
 
     chunk = PREFILL_CHUNK
-    if ops.OPS["moe_experts"].active != "fast" or 2 * chunk > min(state.max_len, model.max_pos):
+    room = min(state.max_len, model.max_pos)
+    if not prefill_graphs_apply() or 2 * chunk > room:
         return []
     state.reset()
     dev0 = model.embed.weight.device
@@ -177,7 +177,7 @@ def check_prefill(model, state, names: dict) -> list[Violation]:
     finally:
         torch.cuda.synchronize()
     out += find_syncs("prefill (graph replays + eager middles)",
-                      lambda: [runner.run(ids, p) for p in (chunk, chunk + 3)])
+                      lambda: [runner.run(ids, p) for p in sorted({chunk, room - chunk})])
     state.reset()
     return out
 
@@ -233,8 +233,9 @@ def main(argv=None) -> int:
         print(f"VIOLATION [{v.kind}] {v.piece}: {v.where} -- {v.detail}")
     n_pieces = len(model.layers) + 2
     from dsv4.engine import PREFILL_CHUNK
+    from dsv4.graphs import prefill_graphs_apply
 
-    prefill = ops.OPS["moe_experts"].active == "fast" and 2 * PREFILL_CHUNK <= min(args.max_len, model.max_pos)
+    prefill = prefill_graphs_apply() and 2 * PREFILL_CHUNK <= min(args.max_len, model.max_pos)
     extra = f"; prefill: {len(model.layers)} x (2 captured pieces + the eager middle)" if prefill else \
         "; prefill graphs not checked (the engine prefills eagerly with the reference MoE or a state under 2 chunks)"
     print(f"detect_sync: {len(found)} violations in {n_pieces} captured pieces "

@@ -113,7 +113,7 @@ class Attention(nn.Module):
             if join:
                 comp_branch.join()
                 comp_branch = None
-        return AttnStart(x.shape[0], x.shape[1], rope, cos, sin, q, q_idx, kv, proj, comp_branch)
+        return AttnStart(x.shape[0], x.shape[1], rope, cos, sin, q, q_idx, kv, proj, comp_branch, x)
 
     def attend(self, a: "AttnStart", plan: StepPlan, st: BlockState) -> torch.Tensor:
         """The index lists, the indexer (CSA), the queries' and kv's norm + RoPE, the sparse attention and (prefill)
@@ -177,3 +177,6 @@ class AttnStart:
     kv: torch.Tensor  # [B,S,hd] before its norm
     proj: tuple | None  # the compressors' projections (|| the indexer's head weights)
     comp_branch: SideBranch | None  # the compressors' side branch, not joined yet
+    # the input, referenced until attend() returns: while the side branch is not joined, its GEMM still reads x on the
+    # side stream, and a freed x could be handed to the main stream's next allocation
+    x: torch.Tensor
