@@ -7,7 +7,8 @@ tensor value, a synchronous host<->device copy, nonzero/unique, ...) with its mo
 (2) captures the piece as a CUDA graph and reports a capture failure with its source line, and (3)
 replays the whole decode step and reports any device allocation made between graph replays. Where the engine
 prefills through graphs (the fast MoE), it does the same for each layer's two captured prefill pieces and its
-eager middle (host syncs only: the middle allocates by design). Exits 1 on any violation. Default model: a random tiny model with SWA, CSA and HCA layers.
+eager middle (host syncs only: the middle allocates by design). Exits 1 on any violation. Default model: a random
+tiny model with SWA, CSA and HCA layers.
 """
 
 from __future__ import annotations
