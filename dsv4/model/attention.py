@@ -21,6 +21,7 @@ from dsv4.config import LayerSpec, ModelConfig
 from dsv4.model.compressor import Compressor
 from dsv4.model.indexer import Indexer
 from dsv4.model.layers import FusedLinear, Linear, Numerics, RMSNorm, Rope, SideBranch, StepPlan
+from dsv4.ops.kv_pack import is_packed
 from dsv4.ops.linear import PreparedLinear, pow2_scales
 from dsv4.state import BlockState
 
@@ -143,8 +144,9 @@ class Attention(nn.Module):
             q, _ = ops.qkv_norm_rope(q, a.kv, self.kv_norm.weight, self.eps, cos, sin, ref, nope, st.window,
                                      plan.ring_slots)
             kv_win = st.window
-        else:
-            q, kv = ops.qkv_norm_rope(q, a.kv, self.kv_norm.weight, self.eps, cos, sin, ref, nope)
+        else:  # (a packed ring: the chunk's rows packed too)
+            q, kv = ops.qkv_norm_rope(q, a.kv, self.kv_norm.weight, self.eps, cos, sin, ref, nope,
+                                      pack=is_packed(st.window))
             kv_win = torch.cat((st.window, kv), 1)  # ring (positions < start) ++ this chunk
         idx_win = plan.win_idx.expand(B, -1, -1)
         # the last branch's join covers the earlier one (one side stream)

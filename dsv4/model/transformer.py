@@ -19,6 +19,7 @@ from dsv4.model.attention import Attention
 from dsv4 import ops
 from dsv4.model.layers import Linear, Numerics, RMSNorm, Rope, SideBranch, StepPlan
 from dsv4.model.moe import ExpertLinear, MoE, StackedExperts
+from dsv4.ops.kv_pack import ROPE, packable
 from dsv4.ops.linear import PreparedLinear
 from dsv4.state import BlockState, ModelState
 
@@ -158,11 +159,24 @@ class Transformer(nn.Module):
             self._ropes[key] = Rope(c.qk_rope_head_dim, c.theta_for(kind), c.rope_scaling_for(kind), self.max_pos, device)
         return self._ropes[key]
 
-    def new_state(self, max_len: int, batch: int = 1, with_mtp: bool = False) -> ModelState:
+    def new_state(self, max_len: int, batch: int = 1, with_mtp: bool = False, kv_fp8: bool = False) -> ModelState:
+        """The preallocated state. kv_fp8: its window ring and compressed entries hold packed FP8 rows
+        (dsv4/ops/kv_pack.py: 592 bytes a Flash row instead of 1,024, the same values, so the same results); it needs
+        reference numerics with bf16 activations (where the K = V rows are FP8-simulated). Off by default: its
+        readers are slower than the bf16 ones for now (docs/performance.md, twenty-eighth pass)."""
         dev = self.embed.weight.device
-        return ModelState(self.cfg, batch, max_len, self.numerics.dtype, dev, with_mtp=with_mtp,
+        c = self.cfg
+        kv_packed = False
+        if kv_fp8:
+            if not (self.numerics.reference and packable(c.head_dim, self.numerics.dtype)
+                    and c.qk_rope_head_dim == ROPE):
+                raise ValueError("an FP8 KV state needs reference numerics with bf16 activations and "
+                                 f"head_dim - {ROPE} RoPE dims a multiple of 64 (got {self.numerics.dtype}, head_dim "
+                                 f"{c.head_dim}, RoPE dims {c.qk_rope_head_dim})")
+            kv_packed = True
+        return ModelState(c, batch, max_len, self.numerics.dtype, dev, with_mtp=with_mtp,
                           block_devices=[layer.attn_norm.weight.device for layer in self.layers],
-                          mtp_devices=[blk.attn_norm.weight.device for blk in self.mtp])
+                          mtp_devices=[blk.attn_norm.weight.device for blk in self.mtp], kv_packed=kv_packed)
 
     def place(self, devices: list) -> "Transformer":
         """Spread the model over `devices`: embedding on the first, head/norm/hc_head on the last, the

@@ -34,7 +34,8 @@ import triton.language as tl
 
 from dsv4.ops.compressor import compressor_ref, finish_entries
 from dsv4.ops.hadamard_triton import fp4_sim_rows, hadamard_rows, hadamard_scale
-from dsv4.ops.triton_util import arrival_counters, cast, e4m3_round, round_to, ue8m0_scale
+from dsv4.ops.kv_pack import is_packed, kv_row_bytes
+from dsv4.ops.triton_util import arrival_counters, cast, e4m3_round, round_to, store_packed_kv, ue8m0_scale
 
 MAX_ROWS = 256  # batch rows with an arrival counter (the decode step runs one); more run the reference
 
@@ -64,10 +65,10 @@ def _pool_rows(v, gt, pv, pg, OVERLAP: tl.constexpr):
 
 @triton.jit
 def _pool_kernel(c_ptr, g_ptr, ape_ptr, kv_ptr, sc_ptr, e_ptr, start_ptr, C, d, cnt_ptr,
-                 w_ptr, cos_ptr, sin_ptr, ent_ptr, n_rows, eps, n_pos,
+                 w_ptr, cos_ptr, sin_ptr, ent_ptr, ent16_ptr, n_rows, eps, n_pos,
                  R: tl.constexpr, OVERLAP: tl.constexpr, RP: tl.constexpr, BLOCK: tl.constexpr,
                  RD2: tl.constexpr, NOPE: tl.constexpr, NB_P: tl.constexpr, QUANT: tl.constexpr,
-                 ROW: tl.constexpr, LOG2D: tl.constexpr, HSCALE: tl.constexpr):
+                 ROW: tl.constexpr, LOG2D: tl.constexpr, HSCALE: tl.constexpr, PACK: tl.constexpr, RB: tl.constexpr):
     # Every load is issued at the start and every result is stored from registers: the step runs beside the layer's
     # large GEMVs, whose streams make each dependent round trip to memory slow
     b = tl.program_id(0)
@@ -130,18 +131,20 @@ def _pool_kernel(c_ptr, g_ptr, ape_ptr, kv_ptr, sc_ptr, e_ptr, start_ptr, C, d, 
         tl.debug_barrier()  # every thread's scratch values are stored before the (release) arrival
         arrived = tl.atomic_add(cnt_ptr + b, 1, sem="acq_rel")
         if arrived == tl.num_programs(1) - 1:
-            _finish_row(e_ptr, b, w_ptr, cos_ptr, sin_ptr, ent_ptr, b, pos, d, n_rows, eps, n_pos, R, RD2, NOPE, NB_P,
-                        QUANT, ROW, LOG2D, HSCALE)
+            _finish_row(e_ptr, b, w_ptr, cos_ptr, sin_ptr, ent_ptr, ent16_ptr, b, pos, d, n_rows, eps, n_pos, R, RD2,
+                        NOPE, NB_P, QUANT, ROW, LOG2D, HSCALE, PACK, RB)
             tl.atomic_xchg(cnt_ptr + b, 0)
 
 
 @triton.jit
-def _finish_row(e_ptr, erow, w_ptr, cos_ptr, sin_ptr, ent_ptr, b, pos, d, n_rows, eps, n_pos,
+def _finish_row(e_ptr, erow, w_ptr, cos_ptr, sin_ptr, ent_ptr, ent16_ptr, b, pos, d, n_rows, eps, n_pos,
                 R: tl.constexpr, RD2: tl.constexpr, NOPE: tl.constexpr, NB_P: tl.constexpr,
-                QUANT: tl.constexpr, BLOCK: tl.constexpr, LOG2D: tl.constexpr, HSCALE: tl.constexpr):
+                QUANT: tl.constexpr, BLOCK: tl.constexpr, LOG2D: tl.constexpr, HSCALE: tl.constexpr,
+                PACK: tl.constexpr, RB: tl.constexpr):
     # the closed window's entry (its pooled row in e_ptr): norm, RoPE, quantization simulation, insert; the row stays
-    # in registers (one load, one store), each step rounded to the entries' dtype as the reference stores it
-    DT: tl.constexpr = ent_ptr.dtype.element_ty
+    # in registers (one load, one store), each step rounded to the entries' dtype as the reference stores it (PACK:
+    # bf16, stored as a packed FP8 row of RB bytes, ent16_ptr the same memory as bf16)
+    DT: tl.constexpr = tl.bfloat16 if PACK else ent_ptr.dtype.element_ty
     w = pos // R
     row = tl.minimum(w, n_rows - 1)
     out = ent_ptr + (b * n_rows + row) * d
@@ -166,6 +169,8 @@ def _finish_row(e_ptr, erow, w_ptr, cos_ptr, sin_ptr, ent_ptr, b, pos, d, n_rows
     if QUANT == 2:  # the indexer's keys: Hadamard rotation + FP4 simulation of the whole row (d a power of 2)
         r = round_to(hadamard_rows(y.to(tl.float32)[None, :], 1, BLOCK, LOG2D) * HSCALE, DT)
         tl.store(out + i[None, :], cast(fp4_sim_rows(r, 1, BLOCK), DT))
+    elif PACK:  # the FP8 codes of the no-RoPE dims, the bf16 RoPE dims and the scales, one packed row
+        store_packed_kv(ent_ptr, ent16_ptr, (b * n_rows + row).to(tl.int64) * RB, y.to(tl.float32), BLOCK, NOPE, BLOCK)
     else:
         if QUANT == 1:  # FP8-simulate the no-RoPE dims in blocks of 64
             v = tl.reshape(y.to(tl.float32), (BLOCK // 64, 64))
@@ -239,10 +244,11 @@ def _chunk_pool_kernel(c_ptr, g_ptr, ape_ptr, kv_ptr, sc_ptr, e_ptr, start_ptr, 
 
 @triton.jit
 def _chunk_finish_kernel(c_ptr, g_ptr, ape_ptr, kv_ptr, sc_ptr, e_ptr, start_ptr, S, T, C, d, scb, scs, sgb, sgs,
-                         w_ptr, cos_ptr, sin_ptr, ent_ptr, n_rows, eps, n_pos,
+                         w_ptr, cos_ptr, sin_ptr, ent_ptr, ent16_ptr, n_rows, eps, n_pos,
                          R: tl.constexpr, OVERLAP: tl.constexpr, RP: tl.constexpr, CB: tl.constexpr,
                          RD2: tl.constexpr, NOPE: tl.constexpr, NB_P: tl.constexpr, QUANT: tl.constexpr,
-                         ROW: tl.constexpr, LOG2D: tl.constexpr, HSCALE: tl.constexpr):
+                         ROW: tl.constexpr, LOG2D: tl.constexpr, HSCALE: tl.constexpr, PACK: tl.constexpr,
+                         RB: tl.constexpr):
     # program (b, t < T): window w0 + t's entry when the window closes in the chunk (`_finish_row` of e[b, t]);
     # program (b, T): the state after the chunk: the open window's rows and (CSA) the last window that closed
     b = tl.program_id(0)
@@ -253,8 +259,8 @@ def _chunk_finish_kernel(c_ptr, g_ptr, ape_ptr, kv_ptr, sc_ptr, e_ptr, start_ptr
     if t < T:
         w = w0 + t
         if (w + 1) * R <= end:
-            _finish_row(e_ptr, b * T + t, w_ptr, cos_ptr, sin_ptr, ent_ptr, b, w * R, d, n_rows, eps, n_pos, R, RD2,
-                        NOPE, NB_P, QUANT, ROW, LOG2D, HSCALE)
+            _finish_row(e_ptr, b * T + t, w_ptr, cos_ptr, sin_ptr, ent_ptr, ent16_ptr, b, w * R, d, n_rows, eps, n_pos,
+                        R, RD2, NOPE, NB_P, QUANT, ROW, LOG2D, HSCALE, PACK, RB)
     else:
         OFF: tl.constexpr = R if OVERLAP else 0
         SR: tl.constexpr = 2 * R if OVERLAP else R
@@ -297,11 +303,25 @@ def _chunk(c, g, ape, norm_w, eps, cos_tab, sin_tab, kv_state, score_state, entr
     rd2 = cos_tab.shape[-1]
     nope = d - 2 * rd2
     _chunk_finish_kernel[(B, T + 1)](
-        *common, norm_w, cos_tab.contiguous(), sin_tab.contiguous(), entries, entries.shape[1], eps, cos_tab.shape[0],
-        R=ratio, OVERLAP=overlap, RP=rp, CB=max(16, min(triton.next_power_of_2(C), 8192 // rp)), RD2=rd2,
+        *common, norm_w, cos_tab.contiguous(), sin_tab.contiguous(), entries, _view16(entries), entries.shape[1], eps,
+        cos_tab.shape[0], R=ratio, OVERLAP=overlap, RP=rp, CB=max(16, min(triton.next_power_of_2(C), 8192 // rp)), RD2=rd2,
         NOPE=nope, NB_P=triton.next_power_of_2(max(nope // 64, 1)), QUANT={None: 0, "fp8": 1, "fp4": 2}[quant],
         ROW=triton.next_power_of_2(d), LOG2D=triton.next_power_of_2(d).bit_length() - 1,
-        HSCALE=hadamard_scale(triton.next_power_of_2(d)))
+        HSCALE=hadamard_scale(triton.next_power_of_2(d)), **_pack_meta(entries, d, quant))
+
+
+def _view16(entries: torch.Tensor) -> torch.Tensor:
+    """Packed entries as bf16 (the same memory: their RoPE dims are stored through it); other entries as they are."""
+    return entries.view(torch.bfloat16) if is_packed(entries) else entries
+
+
+def _pack_meta(entries: torch.Tensor, d: int, quant: str | None) -> dict:
+    if not is_packed(entries):
+        return dict(PACK=False, RB=0)
+    if quant != "fp8" or entries.shape[-1] != kv_row_bytes(d) or d & (d - 1):
+        raise ValueError(f"compressor: packed entries need quant 'fp8' and rows of kv_row_bytes({d}) bytes (d a power "
+                         f"of two), got {quant!r} and {entries.shape[-1]}")
+    return dict(PACK=True, RB=entries.shape[-1])
 
 
 def compressor(c: torch.Tensor, g: torch.Tensor, ape: torch.Tensor, norm_w: torch.Tensor, eps: float,
@@ -331,12 +351,12 @@ def compressor(c: torch.Tensor, g: torch.Tensor, ape: torch.Tensor, norm_w: torc
     _pool_kernel[(B, triton.cdiv(d, blk))](
         c2, g2, ape.contiguous(), kv_state, score_state, e, start, C, d,
         e if ref_finish else arrival_counters(c.device, "compressor", MAX_ROWS),
-        norm_w, cos_c, sin_c, entries, entries.shape[1], eps, cos_tab.shape[0],
+        norm_w, cos_c, sin_c, entries, _view16(entries), entries.shape[1], eps, cos_tab.shape[0],
         R=ratio, OVERLAP=overlap, RP=triton.next_power_of_2(ratio), BLOCK=blk, RD2=rd2, NOPE=nope,
         NB_P=triton.next_power_of_2(max(nope // 64, 1)),
         QUANT=-1 if ref_finish else {None: 0, "fp8": 1, "fp4": 2}[quant],
         ROW=triton.next_power_of_2(d), LOG2D=triton.next_power_of_2(d).bit_length() - 1,
-        HSCALE=hadamard_scale(triton.next_power_of_2(d)))
+        HSCALE=hadamard_scale(triton.next_power_of_2(d)), **_pack_meta(entries, d, quant))
     if ref_finish:
         w = start // ratio
         emit = (start + 1) % ratio == 0

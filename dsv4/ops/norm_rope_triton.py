@@ -22,7 +22,9 @@ import triton
 import triton.language as tl
 
 from dsv4.ops.act_quant import QuantAct
-from dsv4.ops.triton_util import cast, e4m3_round, rope_pairs, round_to, ue8m0_scale
+from dsv4.ops.kv_pack import is_packed, kv_row_bytes
+from dsv4.ops.rope import check_pack
+from dsv4.ops.triton_util import cast, e4m3_round, rope_pairs, round_to, store_packed_kv, ue8m0_scale
 
 try:  # programmatic dependent launch from Triton (griddepcontrol; DSV4_PDL=0 turns it off, as for the CUDA kernels)
     from triton.backends.nvidia.compiler import CUDAOptions
@@ -138,9 +140,37 @@ def _kv_norm_rope_row(r, x_ptr, w_ptr, cs_ptr, sn_ptr, o_ptr, slot_ptr, so_b, so
 
 
 @triton.jit
-def _qkv_norm_rope_kernel(q_ptr, qo_ptr, kv_ptr, w_ptr, kvo_ptr, slot_ptr, so_b, so_n, cs_ptr, sn_ptr, NQ, S, H, DQ,
-                          DKV, eps, RD2: tl.constexpr, LOW: tl.constexpr, QBLOCK: tl.constexpr, NOPE: tl.constexpr,
-                          KVBLOCK: tl.constexpr, NB_P: tl.constexpr, RING: tl.constexpr, PDL: tl.constexpr):
+def _kv_packed_row(r, x_ptr, w_ptr, cs_ptr, sn_ptr, o_ptr, o16_ptr, slot_ptr, so_b, so_n, S, D: tl.constexpr, eps,
+                   NOPE: tl.constexpr, RD2: tl.constexpr, BLOCK: tl.constexpr, RING: tl.constexpr):
+    # row r = batch * S + token of kv: kv_norm, RoPE (pairs in registers), stored as a packed FP8 row (byte offset
+    # from o_ptr; o16_ptr is the same memory as bf16): the same codes and scales as the simulation of the rows above
+    t = r % S
+    if RING:
+        ob = (r // S).to(tl.int64) * so_b + tl.load(slot_ptr + t).to(tl.int64) * so_n
+    else:
+        ob = r.to(tl.int64) * so_n
+    d = tl.arange(0, BLOCK)
+    m = d < D
+    x = tl.load(x_ptr + r * D + d, mask=m, other=0.0).to(tl.float32)
+    x = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps))
+    y = round_to(tl.load(w_ptr + d, mask=m, other=0.0).to(tl.float32) * x, tl.bfloat16)
+    ya, yb = tl.split(tl.reshape(y, (BLOCK // 2, 2)))
+    pair = tl.arange(0, BLOCK // 2)
+    j = pair - (D // 2 - RD2)
+    rot = (j >= 0) & (pair < D // 2)
+    c = tl.load(cs_ptr + t * RD2 + j, mask=rot, other=0.0)
+    sn = tl.load(sn_ptr + t * RD2 + j, mask=rot, other=0.0)
+    ra, rb = rope_pairs(ya, yb, c, sn, False)
+    ya = tl.where(rot, round_to(ra, tl.bfloat16), ya)
+    yb = tl.where(rot, round_to(rb, tl.bfloat16), yb)
+    store_packed_kv(o_ptr, o16_ptr, ob, tl.reshape(tl.join(ya, yb), (BLOCK,)), D, NOPE, BLOCK)
+
+
+@triton.jit
+def _qkv_norm_rope_kernel(q_ptr, qo_ptr, kv_ptr, w_ptr, kvo_ptr, kvo16_ptr, slot_ptr, so_b, so_n, cs_ptr, sn_ptr, NQ,
+                          S, H, DQ, DKV, eps, RD2: tl.constexpr, LOW: tl.constexpr, QBLOCK: tl.constexpr,
+                          NOPE: tl.constexpr, KVBLOCK: tl.constexpr, NB_P: tl.constexpr, RING: tl.constexpr,
+                          PDL: tl.constexpr, PACK: tl.constexpr, DKVC: tl.constexpr):
     # programs [0, NQ): the query heads' rows; [NQ, NQ + B * S): the kv rows (one launch for the attention's prologue)
     if PDL:  # programmatic dependent launch: started early, wait for the kernel that writes q and kv
         gdc_launch_dependents()
@@ -148,6 +178,9 @@ def _qkv_norm_rope_kernel(q_ptr, qo_ptr, kv_ptr, w_ptr, kvo_ptr, slot_ptr, so_b,
     r = tl.program_id(0)
     if r < NQ:
         _q_norm_rope_row(r, q_ptr, cs_ptr, sn_ptr, qo_ptr, S, H, DQ, eps, RD2, LOW, QBLOCK)
+    elif PACK:
+        _kv_packed_row(r - NQ, kv_ptr, w_ptr, cs_ptr, sn_ptr, kvo_ptr, kvo16_ptr, slot_ptr, so_b, so_n, S, DKVC, eps,
+                       NOPE, RD2, KVBLOCK, RING)
     else:
         _kv_norm_rope_row(r - NQ, kv_ptr, w_ptr, cs_ptr, sn_ptr, kvo_ptr, slot_ptr, so_b, so_n, S, DKV, eps, NOPE,
                           RD2, KVBLOCK, 64, NB_P, RING)
@@ -206,11 +239,12 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = 
 
 def qkv_norm_rope(q: torch.Tensor, kv: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.Tensor,
                   sin: torch.Tensor, low_precision_stat: bool, fp8_nope: int, ring: torch.Tensor | None = None,
-                  slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  slots: torch.Tensor | None = None, pack: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q [B, S, H, Dq], kv [B, S, Dkv] -> (q per-head RMS-normalised and RoPE'd, kv normed (weight w), RoPE'd and
     FP8-simulated on its first fp8_nope dims (0: none)), one launch; with ring [B, W, Dkv] (kv's dtype, unit stride
     on Dkv) and slots [S] int the kv rows go to ring[:, slots] instead and None is returned for them (slots distinct
-    and within W: the caller's plan)."""
+    and within W: the caller's plan). A packed ring (uint8 [B, W, kv_row_bytes(Dkv)]), or pack=True, takes /
+    returns the kv rows as packed FP8 rows (dsv4/ops/kv_pack.py)."""
     if q.dim() != 4 or kv.dim() != 3 or kv.shape[:2] != q.shape[:2]:
         raise ValueError(f"qkv_norm_rope: q must be [B, S, H, D] and kv [B, S, D], got {tuple(q.shape)} / "
                          f"{tuple(kv.shape)}")
@@ -220,24 +254,34 @@ def qkv_norm_rope(q: torch.Tensor, kv: torch.Tensor, w: torch.Tensor, eps: float
         raise ValueError(f"qkv_norm_rope: fp8_nope={fp8_nope} must be a multiple of 64 within D={DKV} minus RoPE")
     if (ring is None) != (slots is None):
         raise ValueError("qkv_norm_rope: ring and slots come together")
-    if ring is not None and (ring.dim() != 3 or ring.shape[0] != B or ring.shape[2] != DKV or ring.dtype != kv.dtype
+    pack = pack or is_packed(ring)
+    if pack:
+        check_pack(kv, fp8_nope, cos)
+    width, rdtype = (kv_row_bytes(DKV), torch.uint8) if pack else (DKV, kv.dtype)
+    if ring is not None and (ring.dim() != 3 or ring.shape[0] != B or ring.shape[2] != width or ring.dtype != rdtype
                              or ring.stride(2) != 1 or ring.device != kv.device or slots.shape != (S,)
-                             or slots.dtype not in (torch.int32, torch.int64) or slots.device != kv.device):
-        raise ValueError(f"qkv_norm_rope: ring must be [B={B}, W, D={DKV}] {kv.dtype} with unit stride on D and "
-                         f"slots int [S={S}] on kv's device, got {ring.dtype}{tuple(ring.shape)} / "
+                             or slots.dtype not in (torch.int32, torch.int64) or slots.device != kv.device
+                             or (pack and (ring.stride(0) % 16 or ring.stride(1) % 16))):
+        raise ValueError(f"qkv_norm_rope: ring must be [B={B}, W, {width}] {rdtype} with unit stride on its last dim "
+                         f"and slots int [S={S}] on kv's device, got {ring.dtype}{tuple(ring.shape)} / "
                          f"{slots.dtype}{tuple(slots.shape)}")
     cs, sn = _tables(cos, sin, S)
     q, kv = _rows(q), _rows(kv)
     qo = torch.empty_like(q)
-    kvo = torch.empty_like(kv) if ring is None else ring
-    so_b, so_n = (0, 0) if ring is None else (ring.stride(0), ring.stride(1))
+    if ring is None:
+        kvo = torch.empty((B, S, width), dtype=rdtype, device=kv.device)
+        so_b, so_n = (S * width, width) if pack else (0, 0)
+    else:
+        kvo = ring
+        so_b, so_n = ring.stride(0), ring.stride(1)
     nq = q.numel() // DQ
     pdl = PDL and q.is_cuda
-    _qkv_norm_rope_kernel[(nq + B * S,)](q, qo, kv, w, kvo, cs if slots is None else slots, so_b, so_n, cs, sn, nq, S,
+    _qkv_norm_rope_kernel[(nq + B * S,)](q, qo, kv, w, kvo, kvo.view(torch.bfloat16) if pack else kvo,
+                                         cs if slots is None else slots, so_b, so_n, cs, sn, nq, S,
                                          H, DQ, DKV, eps, RD2=cs.shape[1],
                                          LOW=low_precision_stat and q.dtype != torch.float32,
                                          QBLOCK=triton.next_power_of_2(DQ), NOPE=fp8_nope,
                                          KVBLOCK=triton.next_power_of_2(DKV),
                                          NB_P=triton.next_power_of_2(max(fp8_nope // 64, 1)), RING=ring is not None,
-                                         PDL=pdl, **({"launch_pdl": True} if pdl else {}))
+                                         PDL=pdl, PACK=pack, DKVC=DKV, **({"launch_pdl": True} if pdl else {}))
     return qo, (None if ring is not None else kvo)

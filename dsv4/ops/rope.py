@@ -7,7 +7,8 @@ written back in x.dtype; inverse rotates by the conjugate.
 dtype under reference numerics, as DeepSeek computes it in bf16; fp32 otherwise) then RoPE.
 `kv_norm_rope_ref`: kv_norm (weighted RMSNorm), RoPE, then the FP8 simulation of the no-RoPE dims
 (block 64, power-of-two scales) under reference numerics; given a ring and slots, the rows go straight
-into the ring (the decode step's window insert) and nothing is returned.
+into the ring (the decode step's window insert) and nothing is returned. A packed ring (uint8, dsv4/ops/kv_pack.py)
+takes the rows as packed FP8 rows (the simulation's codes and scales), and pack=True returns them so.
 `qkv_norm_rope_ref`: both, on one chunk's query and kv (the attention's prologue, one op and one launch).
 """
 
@@ -15,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from dsv4.ops.act_quant import act_quant_sim_ref
+from dsv4.ops.act_quant import act_quant_ref, act_quant_sim_ref
+from dsv4.ops.kv_pack import ROPE, is_packed, kv_pack_parts
 from dsv4.ops.norm import rmsnorm_ref
 
 
@@ -41,13 +43,26 @@ def q_norm_rope_ref(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: 
     return rope_ref(q, cos, sin)
 
 
+def check_pack(kv: torch.Tensor, fp8_nope: int, cos: torch.Tensor) -> None:
+    """Packed rows need bf16 kv whose FP8-simulated dims are all but the last 64, the RoPE dims."""
+    if kv.dtype != torch.bfloat16 or fp8_nope != kv.shape[-1] - ROPE or 2 * cos.shape[-1] != ROPE:
+        raise ValueError(f"kv_norm_rope: packed rows need bf16 kv with fp8_nope = D - {ROPE} and {ROPE} RoPE dims, got "
+                         f"{kv.dtype} D={kv.shape[-1]}, fp8_nope={fp8_nope}, RoPE dims {2 * cos.shape[-1]}")
+
+
 def kv_norm_rope_ref(kv: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                      fp8_nope: int, ring: torch.Tensor | None = None,
-                     slots: torch.Tensor | None = None) -> torch.Tensor | None:
+                     slots: torch.Tensor | None = None, pack: bool = False) -> torch.Tensor | None:
     """kv [B, S, D] -> kv_norm, RoPE, and (fp8_nope > 0) FP8-simulate the first fp8_nope dims. With ring
-    [B, W, D] (kv's dtype) and slots [S] int64: row s goes to ring[:, slots[s]] and None is returned."""
+    [B, W, D] (kv's dtype) and slots [S] int64: row s goes to ring[:, slots[s]] and None is returned. A packed ring
+    ([B, W, kv_row_bytes(D)] uint8), or pack=True, takes / returns the rows packed (fp8_nope = D - 64, bf16)."""
+    pack = pack or is_packed(ring)
+    if pack:
+        check_pack(kv, fp8_nope, cos)
     kv = rope_ref(rmsnorm_ref(kv, w, eps), cos, sin)
-    if fp8_nope:
+    if pack:
+        kv = kv_pack_parts(*act_quant_ref(kv[..., :fp8_nope], 64), kv[..., fp8_nope:])
+    elif fp8_nope:
         kv = torch.cat((act_quant_sim_ref(kv[..., :fp8_nope], 64), kv[..., fp8_nope:]), -1)
     if ring is None:
         return kv
@@ -57,10 +72,11 @@ def kv_norm_rope_ref(kv: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.T
 
 def qkv_norm_rope_ref(q: torch.Tensor, kv: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.Tensor,
                       sin: torch.Tensor, low_precision_stat: bool, fp8_nope: int, ring: torch.Tensor | None = None,
-                      slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(q_norm_rope_ref(q, ...), kv_norm_rope_ref(kv, w, ...)): kv's rows None where they went into the ring."""
+                      slots: torch.Tensor | None = None, pack: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(q_norm_rope_ref(q, ...), kv_norm_rope_ref(kv, w, ...)): kv's rows None where they went into the ring;
+    packed FP8 rows where the ring is packed or pack=True."""
     return (q_norm_rope_ref(q, cos, sin, eps, low_precision_stat),
-            kv_norm_rope_ref(kv, w, eps, cos, sin, fp8_nope, ring, slots))
+            kv_norm_rope_ref(kv, w, eps, cos, sin, fp8_nope, ring, slots, pack))
 
 
 def register_ops(register) -> None:

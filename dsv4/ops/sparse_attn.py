@@ -10,6 +10,9 @@ At the end Z += exp(sink - m) (the sink adds to the denominator only; the max ex
 o = acc / Z in fp32, rounded once. A query with no valid slot gets an all-zero output. Block
 boundaries count the -1 slots too, so the layout of the list is part of the numerics.
 
+K = V rows come in q's dtype, or both parts as packed FP8 rows (dsv4/ops/kv_pack.py: uint8 [B, N,
+kv_row_bytes(D)], the state's form under reference numerics), which are read as their exact bf16 values.
+
 Since K = V carries RoPE on its last dims, the output's RoPE dims are rotated back to the query's own
 position: given (cos, sin) at the queries' positions, the rounded output goes through
 `rope_ref(o, cos, sin, inverse=True)` (fp32 math, rounded again), as the model did after the attention.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from dsv4.ops.kv_pack import is_packed, kv_unpack_ref
 from dsv4.ops.rope import rope_ref
 
 BLOCK = 64  # slots per online-softmax step, as DeepSeek's kernel
@@ -36,12 +40,14 @@ def sparse_attn_ref(q: torch.Tensor, kv_win: torch.Tensor, idx_win: torch.Tensor
                     sin: torch.Tensor | None = None) -> torch.Tensor:
     """q [B,S,H,D]; kv_win [B,Nw,D] + idx_win [B,S,Lw]; kv_comp [B,Nc,D] + idx_comp [B,S,Lc] (or None);
     sink [H] fp32 -> o [B,S,H,D] in q.dtype; cos, sin [S, rd/2] fp32 (or None): the last rd dims of o
-    RoPE-inverted at the queries' positions."""
+    RoPE-inverted at the queries' positions. kv_win / kv_comp may be packed FP8 rows (both), read as bf16."""
     keys, idx = [gather_rows(kv_win, idx_win)], [idx_win]
     if idx_comp is not None and idx_comp.shape[-1] > 0:
         keys.append(gather_rows(kv_comp, idx_comp))
         idx.append(idx_comp)
     k = torch.cat(keys, 2)  # [B,S,L,D] in the KV dtype
+    if is_packed(k):
+        k = kv_unpack_ref(k, q.shape[-1])
     valid = torch.cat(idx, 2) >= 0  # [B,S,L]
     s = torch.einsum("bshd,bsld->bshl", q.float(), k.float()) * scale  # fp32 logits
     s = s.masked_fill(~valid[:, :, None, :], float("-inf"))

@@ -1,6 +1,7 @@
 """CUDA fast path of `sparse_attn` for decode (dsv4/kernels/cuda/attn.cu): one launch per call.
 
-Decode queries (1-8 per call: a step, or MTP verification) with bf16 q / K = V rows of 512 dims, H a multiple of 16
+Decode queries (1-8 per call: a step, or MTP verification) with bf16 q / K = V rows of 512 dims (bf16, or packed FP8
+rows that the kernel converts to bf16 in shared memory), H a multiple of 16
 and int32 index lists of at most 1536 slots in all: a thread-block cluster per (query, 16 heads) spreads the list's
 64-slot blocks over up to 8 CTAs, each keeping its blocks' rows in shared memory; the running maximum of the
 sequential walk is exchanged across the cluster before the walk, so every p and bf16(p) is the reference's, and the
@@ -15,12 +16,14 @@ from __future__ import annotations
 import torch
 
 from dsv4.kernels import cuda as cuda_kernels
+from dsv4.ops.kv_pack import is_packed, kv_row_bytes
 from dsv4.ops.linear_cuda import PDL, _capability, _index
 
 D = 512  # K = V width (the kernel's tiles)
 HEADS = 16  # query heads per CTA
 MAX_QUERIES = 8  # decode: more queries are prefill chunks, which the Triton kernel (one program per query) serves
 MAX_SLOTS = 1536  # 64-slot blocks x 8 CTAs x 3 blocks kept in shared memory per CTA
+PACKED_BYTES = kv_row_bytes(D)  # 592: a packed FP8 row, converted to bf16 in shared memory
 _OPTIN: dict[int, int] = {}
 
 
@@ -30,10 +33,12 @@ def _smem_optin(index: int) -> int:
     return _OPTIN[index]
 
 
-def _rows_ok(t: torch.Tensor, q: torch.Tensor) -> bool:
-    return (t.dtype == torch.bfloat16 and t.device == q.device and t.dim() == 3 and t.shape[0] == q.shape[0]
-            and t.shape[2] == D and t.stride(2) == 1 and t.stride(1) % 8 == 0 and t.stride(0) % 8 == 0
-            and t.data_ptr() % 16 == 0)
+def _rows_ok(t: torch.Tensor, q: torch.Tensor, packed: bool) -> bool:
+    """bf16 rows of 512, or packed FP8 rows (dsv4/ops/kv_pack.py, 592 bytes), 16-byte aligned."""
+    dtype, width, esz = (torch.uint8, PACKED_BYTES, 1) if packed else (torch.bfloat16, D, 2)
+    return (t.dtype == dtype and t.device == q.device and t.dim() == 3 and t.shape[0] == q.shape[0]
+            and t.shape[2] == width and t.stride(2) == 1 and (t.stride(1) * esz) % 16 == 0
+            and (t.stride(0) * esz) % 16 == 0 and t.data_ptr() % 16 == 0)
 
 
 def _list_ok(t: torch.Tensor, q: torch.Tensor) -> bool:
@@ -44,8 +49,8 @@ def applies(q: torch.Tensor, kv_win: torch.Tensor, idx_win: torch.Tensor, kv_com
             idx_comp: torch.Tensor | None, sink: torch.Tensor, cos: torch.Tensor | None = None,
             sin: torch.Tensor | None = None) -> bool:
     """True when the CUDA kernel runs this call: CUDA sm_90+ with the shared memory the list needs per CTA (up to
-    ~220 KB), bf16 q [B, S, H, 512] with 1 <= B * S <= 8 and H a multiple of 16, bf16 rows with 16-byte aligned
-    rows, int32 lists of 1..1536 slots in all, an fp32 sink, no RoPE tables or fp32 [S, rd/2] ones (rd/2 even),
+    ~220 KB), bf16 q [B, S, H, 512] with 1 <= B * S <= 8 and H a multiple of 16, bf16 rows (or packed FP8 rows,
+    both parts) with 16-byte aligned rows, int32 lists of 1..1536 slots in all, an fp32 sink, no RoPE tables or fp32 [S, rd/2] ones (rd/2 even),
     the module built."""
     if not (q.is_cuda and q.dtype == torch.bfloat16 and q.dim() == 4 and q.shape[3] == D and q.stride(3) == 1):
         return False
@@ -56,11 +61,12 @@ def applies(q: torch.Tensor, kv_win: torch.Tensor, idx_win: torch.Tensor, kv_com
         return False
     if (kv_comp is None) != (idx_comp is None):
         return False
-    if not (_rows_ok(kv_win, q) and _list_ok(idx_win, q)):
+    packed = is_packed(kv_win)
+    if not (_rows_ok(kv_win, q, packed) and _list_ok(idx_win, q)):
         return False
     L = idx_win.shape[2]
     if kv_comp is not None:
-        if not (_rows_ok(kv_comp, q) and _list_ok(idx_comp, q)):
+        if not (_rows_ok(kv_comp, q, packed) and _list_ok(idx_comp, q)):
             return False
         L += idx_comp.shape[2]
     if not 1 <= L <= MAX_SLOTS:

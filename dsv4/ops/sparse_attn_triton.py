@@ -30,7 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.ops.triton_util import rope_pairs
+from dsv4.ops.kv_pack import ROPE, is_packed, packed_dim
+from dsv4.ops.triton_util import packed_kv_cols, rope_pairs
 
 BLOCK = 64  # slots per online-softmax step, as sparse_attn_ref and DeepSeek's kernel
 
@@ -140,15 +141,25 @@ def _slots(blk, iw_row, ic_row, Lw, Lc, siw_l, sic_l, w_off, c_off, skw_n, skc_n
 
 
 @triton.jit
-def _logits(kw_ptr, rows, valid, q0, q1, q2, q3, offs_c, c_ok0, c_ok1, c_ok2, c_ok3, scale, DC: tl.constexpr,
-            OPT: tl.constexpr):
+def _k_chunk(kw_ptr, k16_ptr, rows, v2, offs_c, c_ok, j: tl.constexpr, DC: tl.constexpr, PACKED: tl.constexpr,
+             NOPE: tl.constexpr):
+    """Column chunk j (DC columns) of a block's K = V rows: loaded as they are, or the exact values of packed rows."""
+    if PACKED:
+        # bf16 like the rows it stands for (exact), so that both forms meet the dots in the same dtype
+        return packed_kv_cols(kw_ptr, k16_ptr, rows, j * DC + offs_c, v2 & c_ok[None, :], NOPE).to(tl.bfloat16)
+    else:
+        return tl.load(kw_ptr + rows[:, None] + j * DC + offs_c[None, :], mask=v2 & c_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _logits(kw_ptr, k16_ptr, rows, valid, q0, q1, q2, q3, offs_c, c_ok0, c_ok1, c_ok2, c_ok3, scale, DC: tl.constexpr,
+            OPT: tl.constexpr, PACKED: tl.constexpr, NOPE: tl.constexpr):
     """Gather a block's K = V rows (four column chunks) and its logits s = (q.k) * scale, -inf where invalid."""
-    k_ptrs = kw_ptr + rows[:, None] + offs_c[None, :]
     v2 = valid[:, None]
-    k0 = tl.load(k_ptrs, mask=v2 & c_ok0[None, :], other=0.0)
-    k1 = tl.load(k_ptrs + DC, mask=v2 & c_ok1[None, :], other=0.0)
-    k2 = tl.load(k_ptrs + 2 * DC, mask=v2 & c_ok2[None, :], other=0.0)
-    k3 = tl.load(k_ptrs + 3 * DC, mask=v2 & c_ok3[None, :], other=0.0)
+    k0 = _k_chunk(kw_ptr, k16_ptr, rows, v2, offs_c, c_ok0, 0, DC, PACKED, NOPE)
+    k1 = _k_chunk(kw_ptr, k16_ptr, rows, v2, offs_c, c_ok1, 1, DC, PACKED, NOPE)
+    k2 = _k_chunk(kw_ptr, k16_ptr, rows, v2, offs_c, c_ok2, 2, DC, PACKED, NOPE)
+    k3 = _k_chunk(kw_ptr, k16_ptr, rows, v2, offs_c, c_ok3, 3, DC, PACKED, NOPE)
     sc = _dot(q0, tl.trans(k0), OPT)
     sc = _dot_acc(q1, tl.trans(k1), sc, OPT)
     sc = _dot_acc(q2, tl.trans(k2), sc, OPT)
@@ -157,12 +168,13 @@ def _logits(kw_ptr, rows, valid, q0, q1, q2, q3, offs_c, c_ok0, c_ok1, c_ok2, c_
 
 
 @triton.jit
-def _block(kw_ptr, rows, valid, q0, q1, q2, q3, m, z, acc0, acc1, acc2, acc3, offs_c, c_ok0, c_ok1, c_ok2, c_ok3,
-           scale, DC: tl.constexpr, KIND: tl.constexpr, OPT: tl.constexpr):
+def _block(kw_ptr, k16_ptr, rows, valid, q0, q1, q2, q3, m, z, acc0, acc1, acc2, acc3, offs_c, c_ok0, c_ok1, c_ok2,
+           c_ok3, scale, DC: tl.constexpr, KIND: tl.constexpr, OPT: tl.constexpr, PACKED: tl.constexpr,
+           NOPE: tl.constexpr):
     """One 64-slot step of DeepSeek's online softmax: m_new = max(m, max s), p = exp(s - m_new),
     Z = Z e^(m - m_new) + sum p, acc = acc e^(m - m_new) + round(p).v."""
-    sc, k0, k1, k2, k3 = _logits(kw_ptr, rows, valid, q0, q1, q2, q3, offs_c, c_ok0, c_ok1, c_ok2, c_ok3, scale,
-                                 DC, OPT)
+    sc, k0, k1, k2, k3 = _logits(kw_ptr, k16_ptr, rows, valid, q0, q1, q2, q3, offs_c, c_ok0, c_ok1, c_ok2, c_ok3,
+                                 scale, DC, OPT, PACKED, NOPE)
     m_new = tl.maximum(m, tl.max(sc, 1))
     base = tl.where(m_new == float("-inf"), 0.0, m_new)  # 0 while nothing was valid: exp() stays finite
     alpha = tl.exp(m - base)
@@ -177,13 +189,14 @@ def _block(kw_ptr, rows, valid, q0, q1, q2, q3, m, z, acc0, acc1, acc2, acc3, of
 
 
 @triton.jit
-def _attn_kernel(q_ptr, kw_ptr, iw_ptr, kc_delta, ic_ptr, sink_ptr, o_ptr, bm_ptr, pm_ptr, pz_ptr, pa_ptr,
+def _attn_kernel(q_ptr, kw_ptr, k16_ptr, iw_ptr, kc_delta, ic_ptr, sink_ptr, o_ptr, bm_ptr, pm_ptr, pz_ptr, pa_ptr,
                  cs_ptr, sn_ptr, scale, S, H, Lw, Lc, NBS, NSPLIT,
                  sq_b, sq_s, sq_h, skw_b, skw_n, siw_b, siw_s, siw_l, skc_b, skc_n, sic_b, sic_s, sic_l,
                  so_b, so_s, so_h,
                  D: tl.constexpr, DP: tl.constexpr, BH: tl.constexpr, BLOCK: tl.constexpr,
                  HAS_COMP: tl.constexpr, STAGE: tl.constexpr, NSP: tl.constexpr, KIND: tl.constexpr,
-                 OUT_KIND: tl.constexpr, OPT: tl.constexpr, ALIGNED: tl.constexpr, RD2: tl.constexpr):
+                 OUT_KIND: tl.constexpr, OPT: tl.constexpr, ALIGNED: tl.constexpr, RD2: tl.constexpr,
+                 PACKED: tl.constexpr, NOPE: tl.constexpr):
     """STAGE 0: the whole list, finished in place. Split lists: STAGE 1 writes each split's maximum logit
     per head (bm); STAGE 2 walks its split from the running maximum of the splits before it (the
     sequential walk's own m at that point, so every p and bf16(p) is the walk's) and writes (m, Z, acc)."""
@@ -233,16 +246,18 @@ def _attn_kernel(q_ptr, kw_ptr, iw_ptr, kc_delta, ic_ptr, sink_ptr, o_ptr, bm_pt
         # programs (decode, whose lists end in long -1 runs) skip it; whole-list programs keep a branch-free
         # loop body, which Triton can software-pipeline
         if STAGE == 0:
-            m, z, acc0, acc1, acc2, acc3 = _block(kw_ptr, rows, valid, q0, q1, q2, q3, m, z, acc0, acc1, acc2, acc3,
-                                                  offs_c, c_ok0, c_ok1, c_ok2, c_ok3, scale, DC, KIND, OPT)
+            m, z, acc0, acc1, acc2, acc3 = _block(kw_ptr, k16_ptr, rows, valid, q0, q1, q2, q3, m, z, acc0, acc1, acc2,
+                                                  acc3, offs_c, c_ok0, c_ok1, c_ok2, c_ok3, scale, DC, KIND, OPT,
+                                                  PACKED, NOPE)
         elif tl.max(valid.to(tl.int32), 0) > 0:
             if STAGE == 1:
-                sc, _, _, _, _ = _logits(kw_ptr, rows, valid, q0, q1, q2, q3, offs_c, c_ok0, c_ok1, c_ok2, c_ok3,
-                                         scale, DC, OPT)
+                sc, _, _, _, _ = _logits(kw_ptr, k16_ptr, rows, valid, q0, q1, q2, q3, offs_c, c_ok0, c_ok1, c_ok2,
+                                         c_ok3, scale, DC, OPT, PACKED, NOPE)
                 m = tl.maximum(m, tl.max(sc, 1))
             else:
-                m, z, acc0, acc1, acc2, acc3 = _block(kw_ptr, rows, valid, q0, q1, q2, q3, m, z, acc0, acc1, acc2,
-                                                      acc3, offs_c, c_ok0, c_ok1, c_ok2, c_ok3, scale, DC, KIND, OPT)
+                m, z, acc0, acc1, acc2, acc3 = _block(kw_ptr, k16_ptr, rows, valid, q0, q1, q2, q3, m, z, acc0, acc1,
+                                                      acc2, acc3, offs_c, c_ok0, c_ok1, c_ok2, c_ok3, scale, DC, KIND,
+                                                      OPT, PACKED, NOPE)
     h2 = h_ok[:, None]
     prow = (qi * NSPLIT + sp).to(tl.int64) * H + offs_h
     if STAGE == 1:
@@ -372,7 +387,17 @@ def _check(q, kv_win, idx_win, kv_comp, idx_comp, sink):
     B, S, H, D = q.shape
     if q.dtype not in _KV_KIND:
         raise ValueError(f"sparse_attn: q dtype {q.dtype} not supported (bf16, fp16, fp32)")
-    if kv_win.dim() != 3 or kv_win.shape[0] != B or kv_win.shape[2] != D or kv_win.dtype != q.dtype:
+    packed = is_packed(kv_win)
+    if packed:  # packed FP8 rows (both parts), bf16 queries
+        if q.dtype != torch.bfloat16 or kv_win.dim() != 3 or kv_win.shape[0] != B or (
+                kv_comp is not None and not is_packed(kv_comp)):
+            raise ValueError(f"sparse_attn: packed rows need bf16 q and packed kv_win / kv_comp [B={B}, N, bytes], got "
+                             f"q {q.dtype}, kv_win {tuple(kv_win.shape)}, kv_comp "
+                             f"{None if kv_comp is None else kv_comp.dtype}")
+        for t in (kv_win, kv_comp):
+            if t is not None:
+                packed_dim(t, D)
+    elif kv_win.dim() != 3 or kv_win.shape[0] != B or kv_win.shape[2] != D or kv_win.dtype != q.dtype:
         raise ValueError(f"sparse_attn: kv_win {kv_win.dtype}{tuple(kv_win.shape)} does not match q "
                          f"{q.dtype}{tuple(q.shape)} (want [B, N, D] in q's dtype)")
     if idx_win.dim() != 3 or tuple(idx_win.shape[:2]) != (B, S) or idx_win.dtype not in (torch.int32, torch.int64):
@@ -380,7 +405,8 @@ def _check(q, kv_win, idx_win, kv_comp, idx_comp, sink):
     if (kv_comp is None) != (idx_comp is None):
         raise ValueError("sparse_attn: kv_comp and idx_comp must both be given or both be None")
     if kv_comp is not None:
-        if kv_comp.dim() != 3 or kv_comp.shape[0] != B or kv_comp.shape[2] != D or kv_comp.dtype != q.dtype:
+        if kv_comp.dim() != 3 or kv_comp.shape[0] != B or (not packed and (kv_comp.shape[2] != D
+                                                                            or kv_comp.dtype != q.dtype)):
             raise ValueError(f"sparse_attn: kv_comp {kv_comp.dtype}{tuple(kv_comp.shape)} does not match q "
                              f"{q.dtype}{tuple(q.shape)}")
         if (idx_comp.dim() != 3 or tuple(idx_comp.shape[:2]) != (B, S)
@@ -414,7 +440,8 @@ def sparse_attn(q: torch.Tensor, kv_win: torch.Tensor, idx_win: torch.Tensor, kv
                 sin: torch.Tensor | None = None, *, cfg: dict | None = None) -> torch.Tensor:
     """q [B,S,H,D]; kv_win [B,Nw,D] + idx_win [B,S,Lw]; kv_comp [B,Nc,D] + idx_comp [B,S,Lc] (or None);
     sink [H] fp32 -> o [B,S,H,D] in q.dtype, its last 2 * cos.shape[1] dims RoPE-inverted when cos, sin
-    [S, rd/2] are given (sparse_attn_ref's contract). `cfg` overrides the launch config (benchmarks)."""
+    [S, rd/2] are given (sparse_attn_ref's contract; kv_win / kv_comp may both be packed FP8 rows, with bf16 q).
+    `cfg` overrides the launch config (benchmarks)."""
     _check(q, kv_win, idx_win, kv_comp, idx_comp, sink)
     B, S, H, D = q.shape
     cs, sn, rd2 = _rope_tables(cos, sin, S, D, sink)
@@ -443,17 +470,20 @@ def sparse_attn(q: torch.Tensor, kv_win: torch.Tensor, idx_win: torch.Tensor, kv
     else:
         bm = pm = pz = pa = sink  # unused
     opts = {"num_warps": c["warps"], "num_stages": c["stages"]} if q.is_cuda else {}
-    # compressed rows are addressed from kv_win's base: their distance in elements (same dtype, so exact)
+    # compressed rows are addressed from kv_win's base: their distance in elements (same dtype, so exact); packed
+    # rows are bytes, and their RoPE dims are read through a bf16 view of the same memory (k16)
+    packed = is_packed(kv_win)
+    k16 = kv_win.view(torch.bfloat16) if packed else kv_win
     kc_delta = (kc.data_ptr() - kv_win.data_ptr()) // kv_win.element_size()
     aligned = all(v % 16 == 0 for v in (kc_delta, kv_win.stride(0), kv_win.stride(1), kc.stride(0), kc.stride(1)))
-    args = (q, kv_win, idx_win, kc_delta, ic, sink, o, bm, pm, pz, pa, cs, sn,
+    args = (q, kv_win, k16, idx_win, kc_delta, ic, sink, o, bm, pm, pz, pa, cs, sn,
             float(scale), S, H, Lw, Lc, bps, nsplit,
             q.stride(0), q.stride(1), q.stride(2), kv_win.stride(0), kv_win.stride(1),
             idx_win.stride(0), idx_win.stride(1), idx_win.stride(2),
             kc.stride(0), kc.stride(1), ic.stride(0), ic.stride(1), ic.stride(2),
             o.stride(0), o.stride(1), o.stride(2))
     meta = dict(D=D, DP=DP, BH=bh, BLOCK=BLOCK, HAS_COMP=has_comp, NSP=_pow2_ge(nsplit), KIND=kind, OUT_KIND=kind,
-                OPT=opt, ALIGNED=aligned, RD2=rd2, **opts)
+                OPT=opt, ALIGNED=aligned, RD2=rd2, PACKED=packed, NOPE=D - ROPE if packed else 0, **opts)
     for stage in ((1, 2) if split else (0,)):  # split: the splits' maxima first, then the seeded walks
         _attn_kernel[grid](*args, STAGE=stage, **meta)
     if split:

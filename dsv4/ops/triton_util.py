@@ -6,6 +6,8 @@ bf16 the rounding is written out on the bits: the Triton interpreter (CPU tests)
 the GPU's cvt.rn rounds; written out, both give the same bits. `cast(v, dtype)`: the same, in dtype.
 `rope_pairs(a, b, cos, sin, inverse)`: one RoPE rotation of interleaved pairs in fp32, as rope_ref.
 `arrival_counters(device, name, n)`: the zeroed int32 counters of a "last program to arrive finishes" kernel.
+`e4m3_bits(q)` / `e4m3_value(c)`: a value on the e4m3 grid <-> its byte; `packed_kv_cols(...)`: columns of packed
+FP8 K = V rows (dsv4/ops/kv_pack.py) as their exact values; `store_packed_kv(...)`: one row stored in that form.
 """
 
 import torch
@@ -64,6 +66,61 @@ def e4m3_round(v):
     e = tl.maximum((v.to(tl.int32, bitcast=True) >> 23) & 0xFF, 121)
     c = (((e + 20) << 23) | 0x400000).to(tl.float32, bitcast=True)
     return (v + c) - c
+
+
+@triton.jit
+def e4m3_bits(q):
+    """q (fp32 on the e4m3 grid, |q| <= 448) -> its e4m3 byte as int32 (sign bit 0x80, so -0.0 -> 0x80)."""
+    b = q.to(tl.int32, bitcast=True)
+    e = (b >> 23) & 0xFF
+    nrm = ((e - 120) << 3) | ((b >> 20) & 7)  # exponent bias 127 -> 7, the top 3 mantissa bits
+    sub = (tl.abs(q) * 512.0).to(tl.int32)  # below 2^-6: m * 2^-9
+    return ((b >> 24) & 0x80) | tl.where(e >= 121, nrm, sub)
+
+
+@triton.jit
+def e4m3_value(c):
+    """An e4m3 byte (int32, 0..255) -> its value in fp32 (exact; the NaN codes are not produced by any writer)."""
+    E = (c >> 3) & 15
+    m = c & 7
+    v = tl.where(E > 0, (((E + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True), m.to(tl.float32) * 0.001953125)
+    return tl.where((c & 0x80) != 0, -v, v)
+
+
+@triton.jit
+def packed_kv_cols(u8_ptr, b16_ptr, rows, cols, mask, NOPE: tl.constexpr):
+    """Columns `cols` [C] of packed K = V rows (byte offsets `rows` [R] from u8_ptr; b16_ptr is the same memory as
+    bf16) -> their values [R, C] in fp32, exact (0 where masked): e4m3 code x 2^(scale byte - 127) below NOPE, the
+    bf16 RoPE dims above."""
+    nope = (cols < NOPE)[None, :]
+    code = tl.load(u8_ptr + rows[:, None] + cols[None, :], mask=mask & nope, other=0).to(tl.int32)
+    sb = tl.load(u8_ptr + rows[:, None] + (NOPE + 128 + cols // 64)[None, :], mask=mask & nope, other=0).to(tl.int32)
+    rope = tl.load(b16_ptr + (rows // 2)[:, None] + (NOPE // 2 + cols - NOPE)[None, :], mask=mask & (cols >= NOPE)[None, :],
+                   other=0.0)
+    return tl.where(nope, e4m3_value(code) * (sb << 23).to(tl.float32, bitcast=True), rope.to(tl.float32))
+
+
+@triton.jit
+def store_packed_kv(u8_ptr, b16_ptr, off, y, D: tl.constexpr, NOPE: tl.constexpr, ROW: tl.constexpr):
+    """One K = V row y [ROW] (fp32 holding bf16 values, D <= ROW of them) -> packed at byte offset `off`: the first
+    NOPE dims FP8-quantized in blocks of 64 (act_quant's scale; the same values as that simulation), then the bf16
+    RoPE dims, the scale bytes and the row's zero padding (D - 64 a multiple of 64)."""
+    NB: tl.constexpr = ROW // 64
+    v = tl.reshape(y, (NB, 64))
+    s, _ = ue8m0_scale(tl.max(tl.abs(v), axis=1))
+    q = e4m3_round(tl.minimum(tl.maximum(v / s[:, None], -448.0), 448.0))
+    blk = tl.arange(0, NB)
+    col = blk[:, None] * 64 + tl.arange(0, 64)[None, :]
+    is_n = (blk < NOPE // 64)[:, None]
+    tl.store(u8_ptr + off + col, e4m3_bits(q).to(tl.uint8), mask=is_n)
+    is_r = (col >= NOPE) & (col < D)
+    tl.store(b16_ptr + off // 2 + NOPE // 2 + (col - NOPE), v.to(tl.bfloat16), mask=is_r)
+    PAD: tl.constexpr = ((NOPE // 64 + 15) // 16) * 16  # the scale bytes and the padding (16 up to 1024 codes)
+    k = tl.arange(0, PAD)
+    sbyte = (s.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    sv = tl.sum(tl.where(blk[None, :] == k[:, None], sbyte[None, :], 0), axis=1)  # byte k: block k's scale
+    sv = tl.where(k < NOPE // 64, sv, 0)
+    tl.store(u8_ptr + off + NOPE + 128 + k, sv.to(tl.uint8))
 
 
 _COUNTERS: dict[tuple[torch.device, str, str], torch.Tensor] = {}

@@ -17,6 +17,9 @@
 //    distributed shared memory) in rank order, each for a slice of the output: m* = max m_r, Z = sum Z_r e^(m_r - m*) + e^(sink - m*), o = sum acc_r e^(m_r - m*) / Z
 //    (IEEE division), rounded to bf16 once; with RoPE tables, the last 2 rd2 dims are then rotated back to the
 //    query's position as rope_ref(o, cos, sin, inverse) does (fp32 products and sums, unfused), rounded again.
+// Packed FP8 rows (dsv4/ops/kv_pack.py, 592 bytes: 448 e4m3 codes, 64 bf16 RoPE dims, 7 E8M0 scales) are gathered
+// into the front of their block's tile, then converted in place to the tile's bf16 values (every thread's share read
+// into registers first, then written; code x scale is exact in bf16), so the rest of the kernel reads the same tile.
 // Against the sequential walk only fp32 summation order differs: the dot products, the sums of p, and the rescaling
 // (one exp per CTA instead of a product of exps). Blocks without a valid slot are neither read nor computed. Same
 // input, same bits (no atomics); indices are read on the device (graph-safe).
@@ -53,7 +56,7 @@ using dev::mma_bf16;
 
 template <int C, int NBL>
 struct Small {
-  const __nv_bfloat16* rows[NBL][kAttnBlock];  // each slot's K = V row, null when empty
+  const unsigned char* rows[NBL][kAttnBlock];  // each slot's K = V row, null when empty
   float allmax[C][NBL][kAttnHeads];            // every CTA's blocks' maximum logit per head (-inf: no valid slot)
   float seed[NBL][kAttnHeads];                 // the walk's running maximum at each block
   float red[kWarps][kAttnHeads];               // per-warp maxima, then per-warp sums of p
@@ -153,7 +156,46 @@ __device__ __forceinline__ void pv(const unsigned char* p_s, const unsigned char
   }
 }
 
-template <int C, int NBL>
+// packed rows of block j, gathered to the front of its tile (kAttnPackedBytes apart) -> the tile's swizzled bf16 rows.
+// Thread t converts 16-byte output chunk t % 64 of rows t / 64, t / 64 + 4, ...: 8 codes and their scale, or 8 RoPE
+// values; every read is done before any write (the two overlap)
+__device__ __forceinline__ void unpack_block(unsigned char* tile, int tid) {
+  constexpr int kItems = kAttnBlock * kChunks / kThreads;  // 16
+  constexpr int kCodeChunks = kAttnNope / 8;               // output chunks of codes (56), then RoPE ones
+  const int c = tid & (kChunks - 1), i0 = tid / kChunks;
+  uint4 v[kItems];
+#pragma unroll
+  for (int k = 0; k < kItems; ++k) {
+    const unsigned char* row = tile + (i0 + k * (kThreads / kChunks)) * kAttnPackedBytes;
+    if (c < kCodeChunks) {
+      const uint2 codes = *reinterpret_cast<const uint2*>(row + c * 8);
+      v[k] = make_uint4(codes.x, codes.y, row[kAttnNope + 128 + c / 8], 0u);
+    } else {
+      v[k] = *reinterpret_cast<const uint4*>(row + kAttnNope + (c - kCodeChunks) * 16);
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int k = 0; k < kItems; ++k) {
+    uint4 out = v[k];
+    if (c < kCodeChunks) {
+      const float sc = __uint_as_float(v[k].z << 23);  // 2^(byte - 127)
+      uint32_t* o = reinterpret_cast<uint32_t*>(&out);
+#pragma unroll
+      for (int w = 0; w < 2; ++w) {
+        const uint32_t word = w ? v[k].y : v[k].x;
+        const uint32_t lw = dev::e4m3_lo_f16x2(word), hw = dev::e4m3_hi_f16x2(word);
+        const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&lw));
+        const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&hw));
+        o[2 * w] = bf16x2(lo.x * sc, lo.y * sc);
+        o[2 * w + 1] = bf16x2(hi.x * sc, hi.y * sc);
+      }
+    }
+    *reinterpret_cast<uint4*>(tile + swz(i0 + k * (kThreads / kChunks), c, kRowBytes)) = out;
+  }
+}
+
+template <int C, int NBL, bool PACKED>
 __global__ void __launch_bounds__(kThreads, 1) sparse_attn_decode_kernel(const AttnArgs a) {
   extern __shared__ __align__(128) unsigned char smem[];
   unsigned char* q_s = smem;
@@ -188,7 +230,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_decode_kernel(const A
   if (tid < NBL * kAttnBlock) {
     const int j = tid / kAttnBlock, i = tid % kAttnBlock;
     const int l = (r + j * C) * kAttnBlock + i;
-    const __nv_bfloat16* row = nullptr;
+    const unsigned char* row = nullptr;
     if (l < a.Lw) {
       const int v = a.iw[b * a.siw_b + s * a.siw_s + l * a.siw_l];
       if (v >= 0) row = a.kw + b * a.skw_b + v * a.skw_n;
@@ -204,17 +246,29 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_decode_kernel(const A
   for (int j = 0; j < NBL; ++j) valid[j] = __syncthreads_or(mine & (1 << j)) != 0;
 
   // gather every valid block's rows at once (one cp.async group per block; empty slots are zero-filled): thread t
-  // copies chunk t % 64 of rows t / 64, t / 64 + 4, ...
+  // copies chunk t % 64 of rows t / 64, t / 64 + 4, ...; packed rows go to the front of the tile, unswizzled
   {
     const int c = tid & (kChunks - 1), i0 = tid >> 6;
 #pragma unroll
     for (int j = 0; j < NBL; ++j) {
       if (valid[j]) {
         unsigned char* dst = kv_s + j * kKvBytes;
+        if constexpr (PACKED) {
+          constexpr int kPc = kAttnPackedBytes / 16;  // 37 chunks a row
+#pragma unroll 2
+          for (int u = tid; u < kAttnBlock * kPc; u += kThreads) {
+            const int i = u / kPc, cc = u - i * kPc;
+            const unsigned char* row = sm.rows[j][i];
+            cp_async16(dst + u * 16, row != nullptr ? row + cc * 16 : reinterpret_cast<const unsigned char*>(a.q),
+                       row != nullptr);
+          }
+        } else {
 #pragma unroll 4
-        for (int i = i0; i < kAttnBlock; i += kThreads / kChunks) {
-          const __nv_bfloat16* row = sm.rows[j][i];
-          cp_async16(dst + swz(i, c, kRowBytes), row != nullptr ? row + c * 8 : a.q, row != nullptr);
+          for (int i = i0; i < kAttnBlock; i += kThreads / kChunks) {
+            const unsigned char* row = sm.rows[j][i];
+            cp_async16(dst + swz(i, c, kRowBytes), row != nullptr ? row + c * 16 : reinterpret_cast<const unsigned char*>(a.q),
+                       row != nullptr);
+          }
         }
       }
       cp_async_commit();
@@ -229,6 +283,12 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_decode_kernel(const A
   for (int j = 0; j < NBL; ++j) {
     cp_async_wait_n(NBL - 1 - j);  // q and block j have landed (this thread's copies) ...
     __syncthreads();               // ... and everyone's
+    if constexpr (PACKED) {
+      if (valid[j]) {
+        unpack_block(kv_s + j * kKvBytes, tid);
+        __syncthreads();
+      }
+    }
     float m0 = kNegInf, m1 = kNegInf;  // heads g, g + 8
     if (valid[j]) {
       logits(q_s, kv_s + j * kKvBytes, warp, lane, sc[j]);
@@ -408,9 +468,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_decode_kernel(const A
   cluster_wait();
 }
 
-template <int C, int NBL>
+template <int C, int NBL, bool PACKED>
 cudaError_t launch(const AttnArgs& a, int queries, int head_groups, bool pdl, cudaStream_t stream) {
-  auto kernel = sparse_attn_decode_kernel<C, NBL>;
+  auto kernel = sparse_attn_decode_kernel<C, NBL, PACKED>;
   constexpr int smem = smem_bytes<C, NBL>();
   const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) return e;
@@ -442,7 +502,8 @@ cudaError_t sparse_attn_decode_launch(const AttnArgs& a, int queries, int head_g
   if (L < 1 || L > kAttnMaxSlots || queries < 1 || head_groups < 1) return cudaErrorInvalidValue;
   return with_config(L, [&](auto cfg) {
     using K = decltype(cfg);
-    return launch<K::C, K::NBL>(a, queries, head_groups, pdl, stream);
+    return a.packed ? launch<K::C, K::NBL, true>(a, queries, head_groups, pdl, stream)
+                    : launch<K::C, K::NBL, false>(a, queries, head_groups, pdl, stream);
   });
 }
 

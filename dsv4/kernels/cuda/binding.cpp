@@ -410,21 +410,27 @@ void sparse_attn_decode(const at::Tensor& q, const at::Tensor& kv_win, const at:
              LL(D), LL(HG), LL(H), LL(q.size(3)));
   DSV4_CHECK(B * S >= 1 && B * S <= 65535, "sparse_attn_decode: 1 to 65535 queries (got %lld)", LL(B * S));
   TORCH_CHECK(kv_comp.has_value() == idx_comp.has_value(), "sparse_attn_decode: kv_comp and idx_comp come together");
+  // bf16 rows of 512, or packed FP8 rows (uint8, kAttnPackedBytes), both parts alike, 16-byte aligned
+  const bool packed = kv_win.scalar_type() == at::kByte;
+  const int64_t row_len = packed ? dsv4::kAttnPackedBytes : D;
+  const int64_t esz = packed ? 1 : 2;
   auto rows_ok = [&](const at::Tensor& t) {
-    return t.is_cuda() && t.device() == q.device() && t.scalar_type() == at::kBFloat16 && t.dim() == 3 && t.size(0) == B &&
-           t.size(2) == D && t.stride(2) == 1 && t.stride(1) % 8 == 0 && t.stride(0) % 8 == 0 &&
-           reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+    return t.is_cuda() && t.device() == q.device() && t.scalar_type() == (packed ? at::kByte : at::kBFloat16) &&
+           t.dim() == 3 && t.size(0) == B && t.size(2) == row_len && t.stride(2) == 1 && (t.stride(1) * esz) % 16 == 0 &&
+           (t.stride(0) * esz) % 16 == 0 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
   };
   auto list_ok = [&](const at::Tensor& t) {
     return t.is_cuda() && t.device() == q.device() && t.scalar_type() == at::kInt && t.dim() == 3 && t.size(0) == B &&
            t.size(1) == S;
   };
-  TORCH_CHECK(rows_ok(kv_win), "sparse_attn_decode: kv_win must be bf16 [B, N, 512] on q's device with 16-byte aligned rows");
+  TORCH_CHECK(rows_ok(kv_win), "sparse_attn_decode: kv_win must be bf16 [B, N, 512] (or packed uint8 [B, N, 592]) on q's "
+              "device with 16-byte aligned rows");
   TORCH_CHECK(list_ok(idx_win), "sparse_attn_decode: idx_win must be int32 [B, S, Lw]");
   const int64_t Lw = idx_win.size(2);
   int64_t Lc = 0;
   if (kv_comp.has_value()) {
-    TORCH_CHECK(rows_ok(*kv_comp), "sparse_attn_decode: kv_comp must be bf16 [B, N, 512] on q's device with 16-byte aligned rows");
+    TORCH_CHECK(rows_ok(*kv_comp), "sparse_attn_decode: kv_comp must be rows of kv_win's kind, [B, N, 512] bf16 or [B, N, 592] "
+                "uint8, on q's device with 16-byte aligned rows");
     TORCH_CHECK(list_ok(*idx_comp), "sparse_attn_decode: idx_comp must be int32 [B, S, Lc]");
     Lc = idx_comp->size(2);
   }
@@ -457,17 +463,18 @@ void sparse_attn_decode(const at::Tensor& q, const at::Tensor& kv_win, const at:
     a.rd2 = static_cast<int>(rd2);
   }
   a.q = reinterpret_cast<const __nv_bfloat16*>(q.data_ptr());
-  a.kw = reinterpret_cast<const __nv_bfloat16*>(kv_win.data_ptr());
-  a.kc = kv_comp.has_value() ? reinterpret_cast<const __nv_bfloat16*>(kv_comp->data_ptr()) : a.kw;
+  a.kw = reinterpret_cast<const unsigned char*>(kv_win.data_ptr());
+  a.kc = kv_comp.has_value() ? reinterpret_cast<const unsigned char*>(kv_comp->data_ptr()) : a.kw;
+  a.packed = packed ? 1 : 0;
   a.iw = idx_win.data_ptr<int>();
   a.ic = idx_comp.has_value() ? idx_comp->data_ptr<int>() : a.iw;
   a.sink = sink.data_ptr<float>();
   a.o = reinterpret_cast<__nv_bfloat16*>(o.data_ptr());
   a.sq_b = q.stride(0), a.sq_s = q.stride(1), a.sq_h = q.stride(2);
-  a.skw_b = kv_win.stride(0), a.skw_n = kv_win.stride(1);
+  a.skw_b = kv_win.stride(0) * esz, a.skw_n = kv_win.stride(1) * esz;
   const at::Tensor& kc = kv_comp.has_value() ? *kv_comp : kv_win;
   const at::Tensor& ic = idx_comp.has_value() ? *idx_comp : idx_win;
-  a.skc_b = kc.stride(0), a.skc_n = kc.stride(1);
+  a.skc_b = kc.stride(0) * esz, a.skc_n = kc.stride(1) * esz;
   a.siw_b = idx_win.stride(0), a.siw_s = idx_win.stride(1), a.siw_l = idx_win.stride(2);
   a.sic_b = ic.stride(0), a.sic_s = ic.stride(1), a.sic_l = ic.stride(2);
   a.so_b = o.stride(0), a.so_s = o.stride(1), a.so_h = o.stride(2);
