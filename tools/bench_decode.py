@@ -8,6 +8,11 @@ cuda:0,cuda:1). For each context the state is filled with random cache contents 
 the step reads a full context. Prints a table and writes JSON (--json). A benchmark, not a test.
 Needs a CUDA GPU.
 
+With a context that is a multiple of 128, the step at ctx-1 closes every compressor's window (each emits an
+entry: its costliest step). The graph rows therefore also time each layer at ctx-2 ("open": every window stays
+open) and project 43 layers over a 128-token cycle, "(cycle)": a layer of compression ratio r emits at one step
+in r.
+
 --prefill N also times the chunked prefill of an N-token prompt that ends at each context (chunks of up to
 128 tokens; the state filled at random before the prompt), eager and (fast MoE) as the engine runs it, the full
 chunks after the first through the prefill graphs (dsv4/graphs.py PrefillRunner): per layer ms per 1K prompt
@@ -410,6 +415,13 @@ def main(argv=None) -> int:
                         seen.add(spec_i.attn)
                         prof[spec_i.attn] = profile_layer(lambda i=i, r=runner: r._run_layer(i), runner.devices[i])
                 row["profile"] = prof
+            if mode == "graph" and ctx >= 2:
+                # a step at ctx - 2, where every compressor's window stays open (with ctx a multiple of 128 the
+                # step at ctx - 1 closes them all and each emits an entry: a compressor's costliest step)
+                for _ in range(2):
+                    runner.step(1, ctx - 2)
+                row["graph_layer_ms_open"] = [timed(runner.graphs[i].replay, n, runner.devices[i])
+                                              for i in range(len(model.layers))]
             runner = None  # free this mode's graphs and their memory pools before the next
         if args.prefill:
             pf = time_prefill(model, state, ctx, args.prefill, devices)
@@ -442,6 +454,15 @@ def main(argv=None) -> int:
         if all(k in mean for k in kinds):
             proj = sum(kinds[k] * mean[k] for k in kinds) + row["graph_head_ms"]
             row["projected_43_layer_token_ms"] = proj
+            if "graph_layer_ms_open" in row and ctx % 128 == 0:
+                # averaged over a 128-token cycle: a layer of compression ratio r emits at 1 step in r (the step
+                # at ctx - 1), its window stays open at the others (the step at ctx - 2)
+                cyc = {}
+                for s_, e, o in zip(cfg.layers, row["graph_layer_ms"], row["graph_layer_ms_open"]):
+                    f = 1.0 / s_.ratio if s_.ratio else 0.0
+                    cyc.setdefault(s_.attn, []).append(f * e + (1 - f) * o)
+                row["projected_43_layer_token_ms_cycle"] = (
+                    sum(kinds[k] * sum(v) / len(v) for k, v in cyc.items()) + row["graph_head_ms"])
         measured_bytes = sum(per_layer_bytes) + sum(cache) + head_bytes
         row["token_bytes"] = measured_bytes
         row["achieved_GBps"] = measured_bytes / (row["graph_token_ms"] * 1e-3) / 1e9
@@ -468,6 +489,11 @@ def main(argv=None) -> int:
             proj = f"{r['projected_43_layer_token_ms']:.1f}" if mode == "graph" and "projected_43_layer_token_ms" in r else ""
             print(f"{r['context']:>8} | {mode:>5} | {ms:>9.2f} | {layers:<40} | {gb:>7.3f} | {gbps:>7.1f} | "
                   f"{100 * gbps / bw:>8.2f}% | {proj:>12}")
+            if mode == "graph" and "graph_layer_ms_open" in r:
+                layers = ",".join(f"{x:.2f}" for x in r["graph_layer_ms_open"])
+                cyc = r.get("projected_43_layer_token_ms_cycle")
+                print(f"{'':>8} | {'open':>5} | {'':>9} | {layers:<40} | {'':>7} | {'':>7} | {'':>9} | "
+                      f"{'' if cyc is None else f'{cyc:.1f} (cycle)':>12}")
     if args.prefill:
         chunk = results[0]["prefill"]["chunk"]
         print(f"\nprefill of a {args.prefill}-token prompt ending at the context, chunks of {chunk} tokens: eager, and "
