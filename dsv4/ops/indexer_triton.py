@@ -16,7 +16,9 @@ in dsv4/ops/indexer.py, SPEC §2.5). Owns two kernels and their configs; touches
   bits), 8 for fp32; ties at the k-th key go to the lowest entries, so the kept set is the reference's.
   The final order (descending score, ties to the lower entry) comes from tl.sort on (key, -place) packed
   in an int32 for bf16 scores, in an int64 (key, -entry) otherwise. -0.0 counts as +0.0 (torch compares
-  them equal); -inf scores give -1. NaN scores are outside the contract.
+  them equal); -inf scores give -1. NaN scores are outside the contract. When k = N (a row that fits in one
+  chunk and keeps every entry: decode up to 2K tokens of context at k = 512) the selection is skipped and only the
+  final sort runs.
 No host sync; counts are read on the device; configs are fixed functions of the shapes (CUDA-graph safe).
 """
 
@@ -178,7 +180,7 @@ def _select(u, valid, K, WB: tl.constexpr):
 @triton.jit
 def _topk_kernel(x_ptr, nvis_ptr, src_ptr, dst_ptr, o_ptr, S, N, K, P_IN, sx_b, sx_s, so_b, so_s,
                  T: tl.constexpr, KP: tl.constexpr, WB: tl.constexpr, FROM_SCORES: tl.constexpr,
-                 FINAL: tl.constexpr):
+                 FINAL: tl.constexpr, ALL: tl.constexpr = False):
     row = tl.program_id(0)  # b * S + s
     c = tl.program_id(1)  # the chunk of the row (scores) or the group of chunks (merge round)
     lanes = tl.arange(0, T)
@@ -200,7 +202,10 @@ def _topk_kernel(x_ptr, nvis_ptr, src_ptr, dst_ptr, o_ptr, S, N, K, P_IN, sx_b, 
         valid = pair != PAD
     # WB = 16 (bf16 scores): the low 16 bits of a key are the same for all keys of one sign, so the high
     # 16 decide; two 8-bit passes instead of four
-    take = _select((pair >> (64 - WB)) + (1 << (WB - 1)), valid, K, WB)
+    if ALL:  # k = N: every entry is kept (the selection would take them all), only the order is left
+        take = valid
+    else:
+        take = _select((pair >> (64 - WB)) + (1 << (WB - 1)), valid, K, WB)
     t = take.to(tl.int32)
     pos = tl.cumsum(t, 0) - t  # kept pairs stay in index order
     n_take = tl.sum(t, 0)
@@ -261,7 +266,7 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor, k: int) -> torch.
     strides = (scores.stride(0), scores.stride(1), o.stride(0), o.stride(1))
     if P == 1:
         _topk_kernel[(rows, 1)](scores, n_visible, sort_scr, sort_scr, o, S, N, k, 1, *strides,
-                                T=T0, KP=KP, WB=wb, FROM_SCORES=True, FINAL=True, **opts)
+                                T=T0, KP=KP, WB=wb, FROM_SCORES=True, FINAL=True, ALL=k == N, **opts)
         return o
     cand = torch.empty(rows * P * KP, dtype=torch.int64, device=dev)
     _topk_kernel[(rows, P)](scores, n_visible, cand, cand, o, S, N, k, P, *strides,

@@ -66,7 +66,9 @@ def test_topk_ties_tails_and_short_lists(fast):
 @cpu_tier
 def test_topk_small_k_equal_n_and_all_ties(fast):
     x = tied_scores(1, 3, 100, seed=2, dtype=torch.float32)
-    check_topk(fast, x, torch.tensor([100, 37, 100]), 100)  # k = N
+    check_topk(fast, x, torch.tensor([100, 37, 100]), 100)  # k = N: every entry kept, only the order is selected
+    # (bf16 scores, as the model's decode at 1K context: 256 entries, k = 256; one query sees none)
+    check_topk(fast, tied_scores(1, 3, 256, seed=7, dtype=torch.bfloat16), torch.tensor([256, 100, 0]), 256)
     check_topk(fast, x, torch.tensor([100, 37, 100]), 5)
     z = torch.zeros(1, 2, 300)
     z[0, 1, ::2] = -0.0
@@ -167,6 +169,11 @@ def _flash_scores(S, N, seed, low=True):
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA or INTERP, reason="needs CUDA (not interpreted)")
 def test_gpu_topk_flash(N, S):
+    if N == 4096:  # also the rows of 1K context (256 entries, k = 256: every entry kept)
+        x = tied_scores(1, S, 256, seed=S, dtype=torch.bfloat16, device="cuda")
+        n_vis = torch.full((S,), 256, dtype=torch.int64)
+        n_vis[-1] = 100
+        check_topk(_gpu_fast(), x, n_vis.cuda(), 256)
     if N == 262144 and S == 128:
         pytest.skip("1M-context prefill rows: covered by S = 4")
     fast = _gpu_fast()
