@@ -268,7 +268,7 @@ class Engine:
 
     def __init__(self, model, tokenizer, max_context: int, release: str = "preview", *,
                  defaults: SamplingParams | None = None, eos_ids: frozenset[int] | None = None,
-                 load_s: float | None = None, graphs: bool = True):
+                 load_s: float | None = None, graphs: bool = True, prefill_graphs: bool = True):
         limit = min(model.cfg.max_position_embeddings, getattr(model, "max_pos", None) or 1 << 62)
         if not 2 <= max_context <= limit:
             raise EngineError(f"max context {max_context} must be in [2, {limit}] for this model")
@@ -295,7 +295,7 @@ class Engine:
             self._warm_up()
             # full prefill chunks after the first replay two graphs per layer (the reference MoE syncs with the host,
             # so the reference backend prefills eagerly)
-            if max_context > 2 * PREFILL_CHUNK and prefill_graphs_apply():
+            if prefill_graphs and max_context > 2 * PREFILL_CHUNK and prefill_graphs_apply():
                 self.prefill = PrefillRunner(model, self.state, PREFILL_CHUNK)
 
     # prefill chunk lengths that select every kernel variant a prompt can need (tiles by power-of-two token
@@ -317,7 +317,8 @@ class Engine:
     def from_pretrained(cls, path: str | Path | CheckpointInfo | None = None, *,
                         device: str | list[str] | None = None, max_context: int | None = None,
                         numerics: str = "reference", dtype: torch.dtype = torch.bfloat16,
-                        progress: bool = True, graphs: bool = True, kernels: str | None = None) -> Engine:
+                        progress: bool = True, graphs: bool = True, kernels: str | None = None,
+                        prefill_graphs: bool = True) -> Engine:
         """Load checkpoint `path` (None: the embedded demo checkpoint, generated on first use; or the
         CheckpointInfo that `inspect_model_dir` returned for it).
 
@@ -325,6 +326,8 @@ class Engine:
         max_position_embeddings. Defaults for sampling and the stop ids come from the checkpoint's
         generation_config.json; the encoder release ("preview" or "0731") from its config.json.
         graphs: decode through per-layer CUDA graphs when the model is on CUDA (False: eager).
+        prefill_graphs: with graphs, also replay the full prefill chunks after the first through two captured graphs
+        per layer (False: those chunks run eagerly and the prefill graphs' memory is not taken).
         kernels: the op backends (`--kernels`: "ref", "fast" or "fast,op=ref,..."; None: fast on CUDA, ref on
         CPU), bound once here, before the weights are prepared and the graphs captured.
         """
@@ -355,7 +358,7 @@ class Engine:
                            max_pos=max_context, progress=progress)
         engine = cls(model, info.tokenizer, max_context, info.release,
                      defaults=_defaults_from(generation_config), eos_ids=_eos_ids(info.tokenizer, generation_config),
-                     load_s=time.perf_counter() - t0, graphs=graphs)
+                     load_s=time.perf_counter() - t0, graphs=graphs, prefill_graphs=prefill_graphs)
         engine.kernels = report
         return engine
 

@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # check --help and the README against it, test_parser_has_no_other_option the parser
 OPTIONS = ("--prompt", "--prompt-file", "--messages", "--tools", "--system", "--interactive", "--raw",
            "--thinking-mode", "--reasoning-effort", "--max-new-tokens", "--temperature", "--top-p", "--top-k",
-           "--seed", "--stop", "--model", "--device", "--max-context", "--numerics", "--dtype", "--eager", "--kernels",
+           "--seed", "--stop", "--model", "--device", "--max-context", "--numerics", "--dtype", "--eager",
+           "--no-prefill-graphs", "--kernels",
            "--json", "--logprobs", "--show-special", "--debug", "--version")
 FAST = ["--max-new-tokens", "6", "--device", "cpu", "--max-context", "256"]
 
@@ -562,9 +563,32 @@ def test_no_effect_notes(capsys, env):
         "note: --eager has no effect on CPU (CUDA graphs are used on CUDA only)",
         "note: --seed has no effect with --temperature 0 (greedy)",
     ]
+    code, _, err = call_main(capsys, "Hi", "--no-prefill-graphs", *FAST, "--max-new-tokens", "1")
+    assert code == 0
+    assert [line for line in err.splitlines() if line.startswith("note: ")] == [
+        "note: --no-prefill-graphs has no effect on CPU (CUDA graphs are used on CUDA only)"]
     code, _, err = call_main(capsys, "Hi", "--reasoning-effort", "high", *FAST, "--max-new-tokens", "1")
     assert "note: --reasoning-effort high adds no prefix with this checkpoint's encoder (preview): it is the same " \
            "prompt as no --reasoning-effort" in err
+
+
+def test_graph_flags_reach_the_engine(capsys, env, monkeypatch):
+    # --eager and --no-prefill-graphs become Engine.from_pretrained's graphs / prefill_graphs (the engine decides
+    # what each means on the device: tests/test_engine.py on CUDA)
+    from dsv4.engine import Engine
+
+    seen = []
+    real = Engine.from_pretrained.__func__
+
+    def spy(cls, *a, **k):
+        seen.append((k["graphs"], k["prefill_graphs"]))
+        return real(cls, *a, **k)
+
+    monkeypatch.setattr(Engine, "from_pretrained", classmethod(spy))
+    for flags in ([], ["--no-prefill-graphs"], ["--eager"]):
+        code, _, _ = call_main(capsys, "Hi", *flags, *FAST, "--max-new-tokens", "1")
+        assert code == 0
+    assert seen == [(True, True), (True, False), (False, True)]
 
 
 def test_short_flags(capsys, env, cache):

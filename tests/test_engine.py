@@ -308,6 +308,10 @@ def test_prefill_graphs_generate_what_eager_prefill_generates(tokenizer):
     try:
         graphs, eager = _graph_and_eager_engines(tokenizer, 2, 800)
         assert graphs.prefill is not None and eager.prefill is None
+        # prefill_graphs=False (--no-prefill-graphs): the decode graphs without the prefill graphs
+        decode_only = Engine(graphs.model, tokenizer, max_context=800, graphs=True, prefill_graphs=False)
+        assert decode_only.runner is not None and decode_only.prefill is None
+        decode_only = None
         greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
         first = prompt_ids(3 * 128 + 20, 5)
         a, b = graphs.complete(first, greedy, reuse_prefix=True, logprobs=2), eager.complete(first, greedy, logprobs=2)
