@@ -305,10 +305,11 @@ class PrefillRunner:
         self.state.reset()
 
     @torch.no_grad()
-    def run(self, ids: torch.Tensor, p0: int, layer_done=None) -> torch.Tensor:
+    def run(self, ids: torch.Tensor, p0: int, layer_call=None) -> torch.Tensor:
         """ids [1, chunk] (on the embedding's device) at positions p0.. (see applies) -> the final residual streams
-        [1, chunk, hc, D] (a graph output: valid until the next run); advances state.pos. layer_done(i), if given, is
-        called after layer i's work is queued (tools time the layers)."""
+        [1, chunk, hc, D] (a graph output: valid until the next run); advances state.pos. layer_call(i, work), if
+        given, runs layer i's work (`work()`, after the streams have reached the layer's device; tools time it), in
+        the layer's device context."""
         S = ids.shape[1]
         if ids.shape[0] != 1 or not self.applies(S, p0):
             raise ValueError(f"the prefill graphs run [1, {self.chunk}] chunks (past position 0 unless the "
@@ -323,14 +324,17 @@ class PrefillRunner:
             t.fill_(p0)
         self._set_chunk(p0)
         for i, dev in enumerate(self.devices):
-            layer = self.model.layers[i]
             with torch.cuda.device(dev):
                 self._hop_in(i)
-                self.pre[i].replay()
-                o = layer.attn.attend(self.begun[i][1], self.plans[dev], self.state.blocks[i])
-                self.o_in[dev].copy_(o)
-                self.post[i].replay()
-            if layer_done is not None:
-                layer_done(i)
+                if layer_call is None:
+                    self._layer(i, dev)
+                else:
+                    layer_call(i, lambda i=i, dev=dev: self._layer(i, dev))
         self.state.pos = p0 + S
         return self.x_out[-1]
+
+    def _layer(self, i: int, dev) -> None:
+        self.pre[i].replay()
+        o = self.model.layers[i].attn.attend(self.begun[i][1], self.plans[dev], self.state.blocks[i])
+        self.o_in[dev].copy_(o)
+        self.post[i].replay()

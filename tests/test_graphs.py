@@ -148,9 +148,57 @@ def test_graph_decode_reference_numerics_bf16(kernels):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_graph_decode_two_gpus():
+@pytest.mark.parametrize("kernels", ["ref", "fast"], indirect=True)
+def test_graph_decode_two_gpus(kernels):
     raw, model = _model([4, 128, 0, 16], seed=4)
     _graph_vs_eager(model, raw, 2 * 128 + 5, ["cuda:0", "cuda:1"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("kernels", ["fast"], indirect=True)
+def test_two_gpus_compute_what_one_gpu_computes(kernels):
+    # the fast kernels (Triton launches on the current device, whatever its tensors' device) of layers on the second
+    # GPU: eager prefill chunks, the prefill graphs, eager and replayed decode steps, the head; the same bits as the
+    # same model on one GPU
+    one = _bf16_model([4, 16, 0, 8], 6)[1].place(["cuda:0"])
+    raw, two = _bf16_model([4, 16, 0, 8], 6)
+    two.place(["cuda:0", "cuda:1"])
+    assert {layer.attn_norm.weight.device.index for layer in two.layers} == {0, 1}
+    prompt = _ids(raw, 2 * 32 + 7, seed=3)
+    steps = _ids(raw, 2 * 16 + 5, seed=4)
+
+    def run(model, graphs):
+        state = model.new_state(128)
+        dec = DecodeRunner(model, state, use_graphs=graphs)  # its capture resets the state: made first
+        runner = PrefillRunner(model, state, 32) if graphs else None
+        ids = torch.tensor([prompt], device="cuda:0")
+        chunks = [c.cpu() for c in _prefill(model, state, ids, 0, 32, runner)]
+        with torch.no_grad():
+            chunks.append(model(torch.tensor([steps[:1]], device="cuda:0"), state, last_only=True).cpu())
+        logits = [dec.step(t).clone().cpu() for t in steps[1:]]
+        return chunks, torch.stack(logits), [t.cpu() for t in _state_tensors(state)]
+
+    from dsv4 import ops
+
+    ref = run(one, False)
+    launched = []  # (the current device, the device of the op's first tensor) at every op call
+
+    def hook(op, args, kwargs):
+        t = next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+        launched.append((torch.cuda.current_device(), t.device.index))
+        return op.impl(*args, **kwargs)
+
+    for graphs in (False, True):
+        ops.set_hook(hook)
+        try:
+            got = run(two, graphs)
+        finally:
+            ops.set_hook(None)
+        assert {dev for _, dev in launched} == {0, 1} and all(cur == dev for cur, dev in launched)
+        assert all(torch.equal(a, b) for a, b in zip(got[0], ref[0])), "prefill streams or head logits differ"
+        assert torch.equal(got[1], ref[1]), "decode logits differ"
+        assert all(torch.equal(a, b) for a, b in zip(got[2], ref[2])), "states differ"
 
 
 def test_side_branch_runs_in_line_on_cpu_and_when_off():

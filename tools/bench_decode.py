@@ -210,32 +210,28 @@ def prefill_run(model, state, ids, p0: int, events: bool, keep: dict | None = No
 
     recs = []
 
-    def call(i, layer, args):
-        if keep is not None:
-            keep[i] = args
+    def timed_call(i, work):
+        # the model and the runner call this in layer i's device context, after the streams reached that device: the
+        # events are recorded on the layer's own device (per-layer times are right with the layers spread over GPUs)
         if not events:
-            return layer(*args)
+            return work()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        out = layer(*args)
+        out = work()
         b.record()
         recs.append((i, a, b))
         return out
+
+    def call(i, layer, args):
+        if keep is not None:
+            keep[i] = args
+        return timed_call(i, lambda: layer(*args))
 
     state.pos = p0
     for c0 in range(0, ids.shape[1], PREFILL_CHUNK):
         chunk = ids[:, c0:c0 + PREFILL_CHUNK]
         if runner is not None and runner.applies(chunk.shape[1], p0 + c0):
-            marks = [torch.cuda.Event(enable_timing=True)] if events else []
-            if events:
-                marks[0].record()
-
-            def done(i, marks=marks):
-                marks.append(torch.cuda.Event(enable_timing=True))
-                marks[-1].record()
-
-            runner.run(chunk, p0 + c0, done if events else None)
-            recs += [(i, marks[i], marks[i + 1]) for i in range(len(marks) - 1)]
+            runner.run(chunk, p0 + c0, timed_call if events else None)
         else:
             model.forward_streams(chunk, state, call)
     return recs

@@ -11,6 +11,7 @@ decode step.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 
@@ -301,6 +302,13 @@ def set_overlap(enabled: bool) -> bool:
     prev = _OVERLAP[0]
     _OVERLAP[0] = bool(enabled)
     return prev
+
+
+def on_device(device: torch.device):
+    """A context that makes `device` the current CUDA device (nothing on other device types). Triton launches a kernel
+    on the current device's stream whatever device its tensors are on, so every layer (and the head) of a model spread
+    over GPUs runs inside the context of its own device."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 class SideBranch:

@@ -17,7 +17,7 @@ from torch import nn
 from dsv4.config import LayerSpec, ModelConfig
 from dsv4.model.attention import Attention
 from dsv4 import ops
-from dsv4.model.layers import Linear, Numerics, RMSNorm, Rope, SideBranch, StepPlan
+from dsv4.model.layers import Linear, Numerics, RMSNorm, Rope, SideBranch, StepPlan, on_device
 from dsv4.model.moe import ExpertLinear, MoE, StackedExperts
 from dsv4.ops.kv_pack import ROPE, packable
 from dsv4.ops.linear import PreparedLinear
@@ -206,8 +206,9 @@ class Transformer(nn.Module):
 
     def logits(self, x: torch.Tensor, fn, base, scale, norm: RMSNorm) -> torch.Tensor:
         # x: [B,S,hc,D] -> [B,S,vocab] fp32
-        z = norm(ops.mhc_head(x, fn, base, scale, self.cfg.hc_eps, self.cfg.rms_norm_eps))
-        return ops.head(z, self.head_weight())
+        with on_device(x.device):
+            z = norm(ops.mhc_head(x, fn, base, scale, self.cfg.hc_eps, self.cfg.rms_norm_eps))
+            return ops.head(z, self.head_weight())
 
     def head_weight(self) -> PreparedLinear:
         """The LM head as the head op reads it: the stored bf16 weight for a fast kernel; an fp32 copy,
@@ -249,23 +250,24 @@ class Transformer(nn.Module):
         layer = self.layers[i]
         dev = x.device
         first = i == 0 or self.layers[i - 1].attn_norm.weight.device != dev
-        cached = self._step_plans.get(dev)
-        if first or cached is None or cached[0] != pos.data_ptr():
-            # everything now (a later layer's graph must not compute any of it), from pos alone (ops.step_plan: one
-            # launch on the fast path): on the side stream, beside the layer's mHC and query projections; the
-            # attention waits for it (plan.ready()) before its first kernel that reads the plan
-            tables = [self.rope(kind, dev) for kind in dict.fromkeys(lay.spec.rope for lay in self.layers)]
-            kinds = dict.fromkeys((lay.spec.ratio, lay.spec.has_indexer) for lay in self.layers)
-            ratios = list(dict.fromkeys(r for r, _ in kinds if r > 0))
-            # HCA: decode lists cover the whole entries buffer
-            prefix = [(r, st.max_len // r) for r, has_indexer in kinds if r > 0 and not has_indexer]
-            branch = SideBranch(dev)
-            with branch:
-                plan = StepPlan.decode(pos, self.cfg.sliding_window, tables, ratios, prefix)
-            plan.pending = branch
-            self._step_plans[dev] = (pos.data_ptr(), plan)
-        plan = self._step_plans[dev][1]
-        return layer(x, ids, plan, st, self.rope(layer.spec.rope, dev))
+        with on_device(dev):
+            cached = self._step_plans.get(dev)
+            if first or cached is None or cached[0] != pos.data_ptr():
+                # everything now (a later layer's graph must not compute any of it), from pos alone (ops.step_plan: one
+                # launch on the fast path): on the side stream, beside the layer's mHC and query projections; the
+                # attention waits for it (plan.ready()) before its first kernel that reads the plan
+                tables = [self.rope(kind, dev) for kind in dict.fromkeys(lay.spec.rope for lay in self.layers)]
+                kinds = dict.fromkeys((lay.spec.ratio, lay.spec.has_indexer) for lay in self.layers)
+                ratios = list(dict.fromkeys(r for r, _ in kinds if r > 0))
+                # HCA: decode lists cover the whole entries buffer
+                prefix = [(r, st.max_len // r) for r, has_indexer in kinds if r > 0 and not has_indexer]
+                branch = SideBranch(dev)
+                with branch:
+                    plan = StepPlan.decode(pos, self.cfg.sliding_window, tables, ratios, prefix)
+                plan.pending = branch
+                self._step_plans[dev] = (pos.data_ptr(), plan)
+            plan = self._step_plans[dev][1]
+            return layer(x, ids, plan, st, self.rope(layer.spec.rope, dev))
 
     def head_step(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B,1,hc,D] -> logits [B,1,vocab] fp32."""
@@ -286,7 +288,8 @@ class Transformer(nn.Module):
         for i, (layer, st) in enumerate(zip(self.layers, state.blocks)):
             x = x.to(layer.attn_norm.weight.device)
             args = (x, ids.to(x.device), self._plan(plans, x.device, p0, S), st, self.rope(layer.spec.rope, x.device))
-            x = layer(*args) if layer_call is None else layer_call(i, layer, args)
+            with on_device(x.device):
+                x = layer(*args) if layer_call is None else layer_call(i, layer, args)
         state.pos = p0 + S
         return x
 
