@@ -200,7 +200,7 @@ def build_cases(dev):
 
 
 ATTN = [("attn.swa", "swa", 1024), ("attn.hca.1k", "hca", 1024), ("attn.csa.1k", "csa", 1024),
-        ("attn.hca.128k", "hca", 131072), ("attn.csa.128k", "csa", 131072)]
+        ("attn.hca.128k", "hca", 131072), ("attn.csa.128k", "csa", 131072), ("attn.hca.1m", "hca", 1048576)]
 
 
 def attn_cases(dev, randn):

@@ -108,7 +108,7 @@ def test_sparse_attn_reads_packed_rows_as_their_values(case):
 @pytest.mark.skipif(not CUDA, reason="CUDA")
 @pytest.mark.parametrize("case", [(512, 1, 1, 64, 128, 300, 128, 512), (512, 1, 1, 64, 128, 1100, 128, 1024),
                                   (512, 2, 2, 64, 136, 40, 136, 300), (512, 1, 1, 16, 128, 0, 37, 0),
-                                  (512, 1, 4, 128, 128, 2000, 128, 1400)])
+                                  (512, 1, 4, 128, 128, 2000, 128, 1400), (512, 1, 2, 64, 128, 5000, 128, 4100)])
 def test_cuda_decode_attention_reads_packed_rows_as_their_values(case):
     from dsv4.ops import sparse_attn_cuda
 

@@ -5,11 +5,13 @@ context for SWA, HCA (every visible entry, ascending, -1 past the visible count)
 order, a -1 tail while fewer are visible), 1, 2 and 4 queries; odd lists (lengths off the 64-slot grid, holes, a
 block straddling the window and compressed parts, a query whose list is all -1, 128 heads, two sequences); the
 layouts the model passes (lists expanded over the batch, the entries a prefix of their buffer, a strided q); a
-running maximum that jumps in a late block after empty ones; each cluster shape (1-8 CTAs, 1-3 blocks per CTA) up to the 1536-slot limit. The kernel walks
-the reference's 64-slot blocks with the walk's own running maximum, so it must agree within `op_attention` and
-differ from the reference in few output elements (fp32 summation order only). Also: bitwise determinism, CUDA-graph
-replay == eager (and follows new lists), the registered fast op routing decode calls here, and the binding's
-refusals.
+running maximum that jumps in a late block after empty ones; each cluster shape (1-8 CTAs, 1-3 blocks per CTA) up to
+the cluster's 1536 slots. Past them, the three-launch path over splits: HCA lists at 256K and 1M tokens of context,
+odd long lists (holes, -1 tails, empty splits, several queries and sequences), a late jump of the running maximum
+across splits, a query without a valid slot. The kernels walk the reference's 64-slot blocks with the walk's own
+running maximum, so they must agree within `op_attention` and differ from the reference in few output elements (fp32
+summation order only). Also: bitwise determinism, CUDA-graph replay == eager (and follows new lists), the registered
+fast op routing decode calls here, and the binding's refusals.
 """
 
 from __future__ import annotations
@@ -113,9 +115,11 @@ def test_running_max_jumps_late_after_empty_blocks():
 def test_limits_route_elsewhere():
     sc = _mod()
     ok = make_case(1, 1, 64, 512, 128, 1408, 1408, seed=1, device="cuda")
-    assert sc.applies(*ok[:6])  # 1536 slots
-    long = make_case(1, 1, 64, 512, 128, 1409, 1409, seed=1, device="cuda")
-    assert not sc.applies(*long[:6])  # 1537: Triton
+    assert sc.applies(*ok[:6])  # 1536 slots: one cluster
+    q, kvw, iw, kvc, ic, sink, _ = ok
+    longest = torch.zeros(1, 1, sc.MAX_SLOTS - 128, dtype=torch.int32, device="cuda")
+    assert sc.applies(q, kvw, iw, kvc, longest, sink)  # 2^20 slots: the split path
+    assert not sc.applies(q, kvw, iw, kvc, torch.cat([longest, longest[..., :1]], -1), sink)  # one more: Triton
     chunk = make_case(1, 9, 64, 512, 128, 256, 256, seed=1, device="cuda")
     assert not sc.applies(*chunk[:6])  # 9 queries: a prefill chunk
     small = make_case(1, 1, 64, 256, 128, 256, 256, seed=1, device="cuda")
@@ -123,8 +127,9 @@ def test_limits_route_elsewhere():
     mod = cuda_kernels.load()
     # 16 KB of q rows + 3 blocks of 64 KB + 2 KB of bf16(p) + 5,376 bytes of small arrays (C = 8)
     assert mod.sparse_attn_decode_smem(1536) == 220416
-    assert mod.sparse_attn_decode_smem(1537) == -1 and mod.sparse_attn_decode_smem(0) == -1
-    q, kvw, iw, kvc, ic, sink, _ = ok
+    # past it a ring of 3 tiles: the same, with 7,168 bytes of small arrays (row pointers, seeds of 64 blocks)
+    assert mod.sparse_attn_decode_smem(1537) == mod.sparse_attn_decode_smem(1 << 20) == 222208
+    assert mod.sparse_attn_decode_smem((1 << 20) + 1) == -1 and mod.sparse_attn_decode_smem(0) == -1
     assert not sc.applies(q, kvw, iw.long(), kvc, ic, sink)  # int64 lists
     assert not sc.applies(q.float(), kvw.float(), iw, kvc.float(), ic, sink)
 
@@ -198,8 +203,8 @@ def test_binding_refuses_bad_calls():
         mod.sparse_attn_decode(q, kvw, iw.long(), kvc, ic, sink, o, scale, False, None, None)
     with pytest.raises(RuntimeError, match="come together"):
         mod.sparse_attn_decode(q, kvw, iw, kvc, None, sink, o, scale, False, None, None)
-    big = torch.zeros(1, 1, 1409, dtype=torch.int32, device="cuda")
-    with pytest.raises(RuntimeError, match=r"lists of 1 to 1536 slots \(got 1537\)"):
+    big = torch.zeros(1, 1, (1 << 20) - 127, dtype=torch.int32, device="cuda")
+    with pytest.raises(RuntimeError, match=r"lists of 1 to 1048576 slots \(got 1048577\)"):
         mod.sparse_attn_decode(q, kvw, iw, kvc, big, sink, o, scale, False, None, None)
     with pytest.raises(RuntimeError, match="kv_win must be bf16"):
         mod.sparse_attn_decode(q, kvw[:, :, 1:], iw, kvc, ic, sink, o, scale, False, None, None)
@@ -207,3 +212,63 @@ def test_binding_refuses_bad_calls():
         mod.sparse_attn_decode(q, kvw, iw, kvc, ic, sink.double(), o, scale, False, None, None)
     with pytest.raises(RuntimeError, match="idx_comp must be int32"):
         mod.sparse_attn_decode(q, kvw, iw, kvc, ic[:, :0], sink, o, scale, False, None, None)
+
+
+# ---- lists past one cluster (1536 slots): three launches over splits ----
+
+@pytest.mark.parametrize("S", [1, 4])
+@pytest.mark.parametrize("context", [262144, 1048576])
+def test_long_hca_lists(context, S):
+    # an HCA list of every entry at 256K (2048 + the window: 34 blocks) and 1M (8192 + 128: 130 blocks) tokens
+    args = flash_case(context, "hca", S, seed=context // 1024 + S)
+    assert args[2].shape[-1] + args[4].shape[-1] > _mod().CLUSTER_SLOTS
+    check(args)
+
+
+@pytest.mark.parametrize("Lw,Lc,nvis,holes", [(100, 1500, None, 0.3), (128, 4000, 1300, 0.0), (37, 2100, 900, 0.5),
+                                              (128, 1409, None, 0.0)])
+def test_long_odd_lists(Lw, Lc, nvis, holes):
+    # lengths off the 64-slot grid, holes, -1 tails that leave whole splits without a valid slot, two sequences of
+    # three queries, 128 heads (8 head groups)
+    args = make_case(2, 3, 128, 512, Lw, Lc, Lc, seed=Lw + Lc, win_holes=holes, csa=True, device="cuda", n_vis=nvis)
+    check(args)
+
+
+def test_long_running_max_jumps_late_and_empty_query():
+    # an HCA list of 4096 entries + the window (66 blocks, several splits) whose entries 256-3071 are empty and whose
+    # keys at 4000-4003 align with the queries: the running maximum jumps in the last split, after splits that met only
+    # empty blocks; query 1 has no valid slot at all
+    q, kvw, iw, kvc, ic, sink, scale = make_case(1, 2, 64, 512, 128, 4096, 4096, seed=17, csa=False, device="cuda")
+    ic[:, :, 256:3072] = -1
+    kvc[:, 4000:4004] += (3.0 * q[:, :1, :4].float().mean(1)).to(kvc.dtype)
+    iw[:, 1] = -1
+    ic[:, 1] = -1
+    o, ref = check((q, kvw, iw, kvc, ic, sink, scale))
+    assert o[:, 1].abs().sum().item() == 0, "a query without a valid slot must get zeros"
+    ic2 = ic.clone()
+    ic2[:, :, 3072:] = -1
+    assert (ref[:, 0].float() - sparse_attn_ref(q, kvw, iw, kvc, ic2, sink, scale)[:, 0].float()).abs().max() > 0.1
+
+
+def test_long_deterministic_graph_replay_rope_and_fast_op():
+    from dsv4 import ops
+
+    sc = _mod()
+    args = flash_case(524288, "hca", 2, seed=41)
+    first = sc.sparse_attn(*args)
+    for _ in range(3):
+        assert_bitwise_equal(sc.sparse_attn(*args), first, "rerun")
+    want, out = graph_replay(lambda: sc.sparse_attn(*args))
+    assert_bitwise_equal(out, want, "graph replay")
+    assert_bitwise_equal(ops.OPS["sparse_attn"].fast(*args), first, "the fast op")
+    cos, sin = rope_tables(2, 64, seed=3, device="cuda")
+    assert_bitwise_equal(sc.sparse_attn(*args, cos, sin), rope_ref(first, cos, sin, True), "RoPE-inverted output")
+    q, kvw, iw, kvc, ic, sink, scale = args
+    from dsv4.testing import capture_graph
+
+    graph, out = capture_graph(lambda: sc.sparse_attn(*args))
+    ic[:, :, 1000:] = -1  # new lists in the same buffers: the replay reads them
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_bitwise_equal(out, sc.sparse_attn(*args), "graph replay after new lists")
+    assert_close_rel(out, sparse_attn_ref(*args), "op_attention")

@@ -195,6 +195,153 @@ __device__ __forceinline__ void unpack_block(unsigned char* tile, int tid) {
   }
 }
 
+// the K = V row that slot l of query (b, s)'s list names (window part, then compressed part); null for -1 or past the list
+__device__ __forceinline__ const unsigned char* slot_row(const AttnArgs& a, long long b, long long s, int l) {
+  if (l < a.Lw) {
+    const int v = a.iw[b * a.siw_b + s * a.siw_s + l * a.siw_l];
+    return v >= 0 ? a.kw + b * a.skw_b + v * a.skw_n : nullptr;
+  }
+  if (l < a.Lw + a.Lc) {
+    const int v = a.ic[b * a.sic_b + s * a.sic_s + (l - a.Lw) * a.sic_l];
+    return v >= 0 ? a.kc + b * a.skc_b + v * a.skc_n : nullptr;
+  }
+  return nullptr;
+}
+
+// one block's rows -> its tile, one cp.async per 16 bytes (empty slots zero-filled from `fill`, never read): bf16 rows
+// swizzled (thread t copies chunk t % 64 of rows t / 64, t / 64 + 4, ...), packed rows to the front, unswizzled
+template <bool PACKED>
+__device__ __forceinline__ void gather_rows(unsigned char* dst, const unsigned char* const* rows, int tid,
+                                            const void* fill) {
+  if constexpr (PACKED) {
+    constexpr int kPc = kAttnPackedBytes / 16;  // 37 chunks a row
+#pragma unroll 2
+    for (int u = tid; u < kAttnBlock * kPc; u += kThreads) {
+      const int i = u / kPc, cc = u - i * kPc;
+      const unsigned char* row = rows[i];
+      cp_async16(dst + u * 16, row != nullptr ? row + cc * 16 : fill, row != nullptr);
+    }
+  } else {
+    const int c = tid & (kChunks - 1), i0 = tid >> 6;
+#pragma unroll 4
+    for (int i = i0; i < kAttnBlock; i += kThreads / kChunks) {
+      const unsigned char* row = rows[i];
+      cp_async16(dst + swz(i, c, kRowBytes), row != nullptr ? row + c * 16 : fill, row != nullptr);
+    }
+  }
+}
+
+// the 16 heads' q rows -> shared memory (one cp.async group)
+__device__ __forceinline__ void load_q(const AttnArgs& a, long long b, long long s, int h0, unsigned char* q_s,
+                                       int tid) {
+  const __nv_bfloat16* qb = a.q + b * a.sq_b + s * a.sq_s + static_cast<long long>(h0) * a.sq_h;
+#pragma unroll
+  for (int k = 0; k < kAttnHeads * kChunks / kThreads; ++k) {
+    const int i = k * (kThreads / kChunks) + (tid >> 6), c = tid & (kChunks - 1);
+    cp_async16(q_s + swz(i, c, kRowBytes), qb + i * a.sq_h + c * 8, true);
+  }
+  cp_async_commit();
+}
+
+// a gathered block's logits times the scale, -inf for its empty slots
+__device__ __forceinline__ void masked_logits(const unsigned char* q_s, const unsigned char* tile,
+                                              const unsigned char* const* rows, float scale, int warp, int lane,
+                                              float (&sc)[4]) {
+  const int t4 = lane & 3;
+  logits(q_s, tile, warp, lane, sc);
+  const bool ok0 = rows[warp * 8 + 2 * t4] != nullptr, ok1 = rows[warp * 8 + 2 * t4 + 1] != nullptr;
+  sc[0] = ok0 ? sc[0] * scale : kNegInf;
+  sc[1] = ok1 ? sc[1] * scale : kNegInf;
+  sc[2] = ok0 ? sc[2] * scale : kNegInf;
+  sc[3] = ok1 ? sc[3] * scale : kNegInf;
+}
+
+// each warp's maximum of sc per head -> red[warp][head]; then (after the barrier) every thread may read red
+__device__ __forceinline__ void block_max_to_red(const float (&sc)[4], float (&red)[kWarps][kAttnHeads], int warp,
+                                                 int lane) {
+  const int g = lane >> 2, t4 = lane & 3;
+  float m0 = fmaxf(sc[0], sc[1]), m1 = fmaxf(sc[2], sc[3]);  // heads g, g + 8
+#pragma unroll
+  for (int o = 1; o <= 2; o <<= 1) {
+    m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, o));
+    m1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, o));
+  }
+  if (t4 == 0) {
+    red[warp][g] = m0;
+    red[warp][g + 8] = m1;
+  }
+  __syncthreads();
+}
+
+// one step of the walk over a block with a valid slot, whose running maximum per head is s0 (head g), s1 (g + 8):
+// p = exp(s - m), bf16(p) through shared memory to the P.V mma, Z and acc rescaled from the previous block's maximum
+// (mr: -inf before the first, so the rescale is 0). Ends with a barrier: P, red and the tile may be rewritten after it
+__device__ __forceinline__ void walk_block(float s0, float s1, const float (&sc)[4], unsigned char* p_s,
+                                           const unsigned char* tile, float (&red)[kWarps][kAttnHeads], int warp,
+                                           int lane, float& mr0, float& mr1, float& z0, float& z1,
+                                           float (&acc)[kCols / 8][4]) {
+  const int g = lane >> 2, t4 = lane & 3;
+  const float al0 = expf(mr0 - s0), al1 = expf(mr1 - s1);  // 0 at the first block
+  const float p0 = expf(sc[0] - s0), p1 = expf(sc[1] - s0);
+  const float p2 = expf(sc[2] - s1), p3 = expf(sc[3] - s1);
+  // the 16-byte chunk `warp` of P's rows g, g + 8 holds slots 8 warp ...
+  *reinterpret_cast<uint32_t*>(p_s + swz(g, warp, kPRow) + 4 * t4) = bf16x2(p0, p1);
+  *reinterpret_cast<uint32_t*>(p_s + swz(g + 8, warp, kPRow) + 4 * t4) = bf16x2(p2, p3);
+  float ps0 = p0 + p1, ps1 = p2 + p3;
+#pragma unroll
+  for (int o = 1; o <= 2; o <<= 1) {
+    ps0 += __shfl_xor_sync(0xffffffffu, ps0, o);
+    ps1 += __shfl_xor_sync(0xffffffffu, ps1, o);
+  }
+  if (t4 == 0) {
+    red[warp][g] = ps0;
+    red[warp][g + 8] = ps1;
+  }
+  __syncthreads();
+  float zb0 = red[0][g], zb1 = red[0][g + 8];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) {
+    zb0 += red[w][g];
+    zb1 += red[w][g + 8];
+  }
+  z0 = z0 * al0 + zb0;
+  z1 = z1 * al1 + zb1;
+#pragma unroll
+  for (int n = 0; n < kCols / 8; ++n) {
+    acc[n][0] *= al0;
+    acc[n][1] *= al0;
+    acc[n][2] *= al1;
+    acc[n][3] *= al1;
+  }
+  pv(p_s, tile, warp, lane, acc);
+  mr0 = s0;
+  mr1 = s1;
+  __syncthreads();
+}
+
+// o of one head at columns d .. d + 3 from its combined partial v and Z: v / Z (IEEE division) rounded to bf16 once;
+// in the last 2 rd2 dims the RoPE pairs rotated back to query s's position (rope_ref's inverse: fp32 products and
+// sums, unfused), rounded again
+__device__ __forceinline__ void store_out4(const AttnArgs& a, __nv_bfloat16* orow, long long s, int d, float4 v,
+                                           float z) {
+  float r[4] = {bf16_round(__fdiv_rn(v.x, z)), bf16_round(__fdiv_rn(v.y, z)), bf16_round(__fdiv_rn(v.z, z)),
+                bf16_round(__fdiv_rn(v.w, z))};
+  if (d >= kAttnD - 2 * a.rd2) {  // two RoPE pairs (rd2 even: a float4 never straddles the boundary)
+    const int i = (d - (kAttnD - 2 * a.rd2)) >> 1;
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+      const float c = a.cos[s * a.rd2 + i + p], sn = -a.sin[s * a.rd2 + i + p];  // the conjugate
+      const float x0 = r[2 * p], x1 = r[2 * p + 1];
+      r[2 * p] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, sn));
+      r[2 * p + 1] = __fadd_rn(__fmul_rn(x0, sn), __fmul_rn(x1, c));
+    }
+  }
+  uint2 out;
+  out.x = bf16x2(r[0], r[1]);
+  out.y = bf16x2(r[2], r[3]);
+  *reinterpret_cast<uint2*>(orow + d) = out;
+}
+
 template <int C, int NBL, bool PACKED>
 __global__ void __launch_bounds__(kThreads, 1) sparse_attn_decode_kernel(const AttnArgs a) {
   extern __shared__ __align__(128) unsigned char smem[];
@@ -210,34 +357,18 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_decode_kernel(const A
   const int g = lane >> 2, t4 = lane & 3;
   const int h0 = blockIdx.y * kAttnHeads;
   const long long b = blockIdx.z / a.S, s = blockIdx.z % a.S;
-  const int L = a.Lw + a.Lc;
 
   cluster_arrive_relaxed();  // this CTA runs: the others may store into its shared memory (after their wait below)
   griddep_wait();  // q, the lists and the rows all come from earlier kernels
   griddep_launch_dependents();
 
-  // this CTA's heads' q rows -> shared memory
-  const __nv_bfloat16* qb = a.q + b * a.sq_b + s * a.sq_s + static_cast<long long>(h0) * a.sq_h;
-#pragma unroll
-  for (int k = 0; k < kAttnHeads * kChunks / kThreads; ++k) {
-    const int i = k * (kThreads / kChunks) + (tid >> 6), c = tid & (kChunks - 1);
-    cp_async16(q_s + swz(i, c, kRowBytes), qb + i * a.sq_h + c * 8, true);
-  }
-  cp_async_commit();
+  load_q(a, b, s, h0, q_s, tid);  // this CTA's heads' q rows -> shared memory
 
   // the rows its blocks' slots name (null: -1, or past the list); bit j of `mine`: a slot of block j is valid
   int mine = 0;
   if (tid < NBL * kAttnBlock) {
     const int j = tid / kAttnBlock, i = tid % kAttnBlock;
-    const int l = (r + j * C) * kAttnBlock + i;
-    const unsigned char* row = nullptr;
-    if (l < a.Lw) {
-      const int v = a.iw[b * a.siw_b + s * a.siw_s + l * a.siw_l];
-      if (v >= 0) row = a.kw + b * a.skw_b + v * a.skw_n;
-    } else if (l < L) {
-      const int v = a.ic[b * a.sic_b + s * a.sic_s + (l - a.Lw) * a.sic_l];
-      if (v >= 0) row = a.kc + b * a.skc_b + v * a.skc_n;
-    }
+    const unsigned char* row = slot_row(a, b, s, (r + j * C) * kAttnBlock + i);
     sm.rows[j][i] = row;
     mine = (row != nullptr) << j;
   }
@@ -245,34 +376,11 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_decode_kernel(const A
 #pragma unroll
   for (int j = 0; j < NBL; ++j) valid[j] = __syncthreads_or(mine & (1 << j)) != 0;
 
-  // gather every valid block's rows at once (one cp.async group per block; empty slots are zero-filled): thread t
-  // copies chunk t % 64 of rows t / 64, t / 64 + 4, ...; packed rows go to the front of the tile, unswizzled
-  {
-    const int c = tid & (kChunks - 1), i0 = tid >> 6;
+  // gather every valid block's rows at once (one cp.async group per block)
 #pragma unroll
-    for (int j = 0; j < NBL; ++j) {
-      if (valid[j]) {
-        unsigned char* dst = kv_s + j * kKvBytes;
-        if constexpr (PACKED) {
-          constexpr int kPc = kAttnPackedBytes / 16;  // 37 chunks a row
-#pragma unroll 2
-          for (int u = tid; u < kAttnBlock * kPc; u += kThreads) {
-            const int i = u / kPc, cc = u - i * kPc;
-            const unsigned char* row = sm.rows[j][i];
-            cp_async16(dst + u * 16, row != nullptr ? row + cc * 16 : reinterpret_cast<const unsigned char*>(a.q),
-                       row != nullptr);
-          }
-        } else {
-#pragma unroll 4
-          for (int i = i0; i < kAttnBlock; i += kThreads / kChunks) {
-            const unsigned char* row = sm.rows[j][i];
-            cp_async16(dst + swz(i, c, kRowBytes), row != nullptr ? row + c * 16 : reinterpret_cast<const unsigned char*>(a.q),
-                       row != nullptr);
-          }
-        }
-      }
-      cp_async_commit();
-    }
+  for (int j = 0; j < NBL; ++j) {
+    if (valid[j]) gather_rows<PACKED>(kv_s + j * kKvBytes, sm.rows[j], tid, a.q);
+    cp_async_commit();
   }
 
   cluster_wait();  // every CTA of the cluster runs
@@ -289,27 +397,13 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_decode_kernel(const A
         __syncthreads();
       }
     }
-    float m0 = kNegInf, m1 = kNegInf;  // heads g, g + 8
     if (valid[j]) {
-      logits(q_s, kv_s + j * kKvBytes, warp, lane, sc[j]);
-      const bool ok0 = sm.rows[j][warp * 8 + 2 * t4] != nullptr, ok1 = sm.rows[j][warp * 8 + 2 * t4 + 1] != nullptr;
-      sc[j][0] = ok0 ? sc[j][0] * a.scale : kNegInf;
-      sc[j][1] = ok1 ? sc[j][1] * a.scale : kNegInf;
-      sc[j][2] = ok0 ? sc[j][2] * a.scale : kNegInf;
-      sc[j][3] = ok1 ? sc[j][3] * a.scale : kNegInf;
-      m0 = fmaxf(sc[j][0], sc[j][1]);
-      m1 = fmaxf(sc[j][2], sc[j][3]);
+      masked_logits(q_s, kv_s + j * kKvBytes, sm.rows[j], a.scale, warp, lane, sc[j]);
+    } else {
 #pragma unroll
-      for (int o = 1; o <= 2; o <<= 1) {
-        m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, o));
-        m1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, o));
-      }
+      for (int e = 0; e < 4; ++e) sc[j][e] = kNegInf;
     }
-    if (t4 == 0) {
-      sm.red[warp][g] = m0;
-      sm.red[warp][g + 8] = m1;
-    }
-    __syncthreads();
+    block_max_to_red(sc[j], sm.red, warp, lane);
     if (tid < kAttnHeads) {  // the block's maximum, pushed into every CTA of the cluster (stores: no round trip)
       float m = sm.red[0][tid];
 #pragma unroll
@@ -347,43 +441,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_decode_kernel(const A
 #pragma unroll
   for (int j = 0; j < NBL; ++j) {
     if (!valid[j]) continue;  // the same for the whole CTA
-    const float s0 = sm.seed[j][g], s1 = sm.seed[j][g + 8];  // finite: the block has a valid slot
-    const float al0 = expf(mr0 - s0), al1 = expf(mr1 - s1);  // 0 at this CTA's first block
-    const float p0 = expf(sc[j][0] - s0), p1 = expf(sc[j][1] - s0);
-    const float p2 = expf(sc[j][2] - s1), p3 = expf(sc[j][3] - s1);
-    // the 16-byte chunk `warp` of P's rows g, g + 8 holds slots 8 warp ...
-    *reinterpret_cast<uint32_t*>(p_s + swz(g, warp, kPRow) + 4 * t4) = bf16x2(p0, p1);
-    *reinterpret_cast<uint32_t*>(p_s + swz(g + 8, warp, kPRow) + 4 * t4) = bf16x2(p2, p3);
-    float ps0 = p0 + p1, ps1 = p2 + p3;
-#pragma unroll
-    for (int o = 1; o <= 2; o <<= 1) {
-      ps0 += __shfl_xor_sync(0xffffffffu, ps0, o);
-      ps1 += __shfl_xor_sync(0xffffffffu, ps1, o);
-    }
-    if (t4 == 0) {
-      sm.red[warp][g] = ps0;
-      sm.red[warp][g + 8] = ps1;
-    }
-    __syncthreads();
-    float zb0 = sm.red[0][g], zb1 = sm.red[0][g + 8];
-#pragma unroll
-    for (int w = 1; w < kWarps; ++w) {
-      zb0 += sm.red[w][g];
-      zb1 += sm.red[w][g + 8];
-    }
-    z0 = z0 * al0 + zb0;
-    z1 = z1 * al1 + zb1;
-#pragma unroll
-    for (int n = 0; n < kCols / 8; ++n) {
-      acc[n][0] *= al0;
-      acc[n][1] *= al0;
-      acc[n][2] *= al1;
-      acc[n][3] *= al1;
-    }
-    pv(p_s, kv_s + j * kKvBytes, warp, lane, acc);
-    mr0 = s0;
-    mr1 = s1;
-    __syncthreads();  // P and the sums are rewritten by the next block
+    // the seeds are finite: the block has a valid slot
+    walk_block(sm.seed[j][g], sm.seed[j][g + 8], sc[j], p_s, kv_s + j * kKvBytes, sm.red, warp, lane, mr0, mr1, z0,
+               z1, acc);
   }
 
   // 4. the partials (m, Z, acc) in shared memory, then combined across the cluster in rank order
@@ -446,26 +506,247 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_decode_kernel(const A
   for (int k = 0; k < kUnits; ++k) {
     const int u = (k * C + r) * kThreads + tid;
     const int h = u / (kAttnD / 4), d = (u % (kAttnD / 4)) * 4;
-    const float z = sm.zt[h];
-    float r[4] = {bf16_round(__fdiv_rn(v[k].x, z)), bf16_round(__fdiv_rn(v[k].y, z)),
-                  bf16_round(__fdiv_rn(v[k].z, z)), bf16_round(__fdiv_rn(v[k].w, z))};
-    if (d >= kAttnD - 2 * a.rd2) {  // two RoPE pairs (rd2 even: a float4 never straddles the boundary)
-      const int i = (d - (kAttnD - 2 * a.rd2)) >> 1;
-#pragma unroll
-      for (int p = 0; p < 2; ++p) {
-        const float c = a.cos[s * a.rd2 + i + p], sn = -a.sin[s * a.rd2 + i + p];  // the conjugate
-        const float x0 = r[2 * p], x1 = r[2 * p + 1];
-        r[2 * p] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, sn));
-        r[2 * p + 1] = __fadd_rn(__fmul_rn(x0, sn), __fmul_rn(x1, c));
-      }
-    }
-    uint2 out;
-    out.x = bf16x2(r[0], r[1]);
-    out.y = bf16x2(r[2], r[3]);
-    *reinterpret_cast<uint2*>(ob + h * a.so_h + d) = out;
+    store_out4(a, ob + h * a.so_h, s, d, v[k], sm.zt[h]);
   }
   cluster_arrive_relaxed();  // the other CTAs are done reading this one's partials
   cluster_wait();
+}
+
+// ---- lists longer than kAttnMaxSlots: three launches over a grid of splits ----
+// A (query, 16 heads) has nsplit CTAs, split i owning the list's blocks [i bps, (i + 1) bps): too many blocks for one
+// cluster's shared memory, so the running maximum goes through global memory. attn_long_max_kernel: every block's
+// maximum logit per head (bmax). attn_long_walk_kernel: the walk's running maximum at each of the split's blocks (the
+// maximum of bmax over the list up to that block: every p and bf16(p) is the sequential walk's), the walk over them
+// with the logits recomputed (the same code on the same rows: the same values), the split's partial (m, Z, acc) out.
+// attn_long_combine_kernel: per (query, head) the splits' partials combined in split order, with the sink, as the
+// cluster kernel's step 4. The rows stream through a ring of kLongBuf tiles per CTA (read twice: the second pass
+// mostly from L2).
+constexpr int kLongBuf = 3;
+constexpr int kCombineThreads = kAttnD / 4;  // one float4 of the head's output each
+
+struct LongSmall {
+  const unsigned char* rows[kLongBuf][kAttnBlock];
+  float red[kWarps][kAttnHeads];
+  float seed[kAttnLongMaxBps][kAttnHeads];  // the walk's running maximum at each of the split's blocks
+  float part[16][kAttnHeads];              // maxima over the blocks before the split, 16 strided parts per head
+};
+
+constexpr int long_smem_bytes() { return kQBytes + kLongBuf * kKvBytes + kPBytes + static_cast<int>(sizeof(LongSmall)); }
+
+// this CTA's split: its first block and block count
+struct Split {
+  int blk0, nb;
+};
+
+__device__ __forceinline__ Split my_split(const AttnArgs& a) {
+  const int blk0 = blockIdx.x * a.bps;
+  return {blk0, min(a.bps, a.nblk - blk0)};
+}
+
+// block k of the split into ring slot k % kLongBuf: its rows named, gathered if any is valid; one cp.async group
+// (empty past the split). Whether the block has a valid slot (the same in every thread)
+template <bool PACKED>
+__device__ __forceinline__ bool issue_block(const AttnArgs& a, long long b, long long s, Split sp, int k,
+                                            unsigned char* kv_s, LongSmall& sm, int tid) {
+  bool valid = false;
+  if (k < sp.nb) {
+    const int slot = k % kLongBuf;
+    if (tid < kAttnBlock) sm.rows[slot][tid] = slot_row(a, b, s, (sp.blk0 + k) * kAttnBlock + tid);
+    valid = __syncthreads_or(tid < kAttnBlock && sm.rows[slot][tid] != nullptr) != 0;
+    if (valid) gather_rows<PACKED>(kv_s + slot * kKvBytes, sm.rows[slot], tid, a.q);
+  }
+  cp_async_commit();
+  return valid;
+}
+
+// the ring's k-th block has landed (every thread's copies) and, packed, is converted to bf16 rows
+template <bool PACKED>
+__device__ __forceinline__ void block_landed(unsigned char* tile, bool valid, int tid) {
+  cp_async_wait<kLongBuf - 1>();
+  __syncthreads();
+  if constexpr (PACKED) {
+    if (valid) {
+      unpack_block(tile, tid);
+      __syncthreads();
+    }
+  }
+}
+
+template <bool PACKED>
+__global__ void __launch_bounds__(kThreads, 1) attn_long_max_kernel(const AttnArgs a) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  unsigned char* q_s = smem;
+  unsigned char* kv_s = smem + kQBytes;
+  LongSmall& sm = *reinterpret_cast<LongSmall*>(kv_s + kLongBuf * kKvBytes + kPBytes);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const long long b = blockIdx.z / a.S, s = blockIdx.z % a.S;
+  const Split sp = my_split(a);
+  griddep_wait();  // q, the lists and the rows come from earlier kernels
+  griddep_launch_dependents();
+  load_q(a, b, s, blockIdx.y * kAttnHeads, q_s, tid);
+  unsigned long long valid = 0;  // bit k: block k of the split has a valid slot (k < bps <= 64)
+#pragma unroll
+  for (int k = 0; k < kLongBuf; ++k) {
+    if (issue_block<PACKED>(a, b, s, sp, k, kv_s, sm, tid)) valid |= 1ull << k;
+  }
+  float* bm = a.bmax + ((static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y) * a.nblk + sp.blk0) * kAttnHeads;
+  for (int k = 0; k < sp.nb; ++k) {
+    const int slot = k % kLongBuf;
+    unsigned char* tile = kv_s + slot * kKvBytes;
+    const bool ok = (valid >> k) & 1ull;
+    block_landed<PACKED>(tile, ok, tid);
+    float sc[4] = {kNegInf, kNegInf, kNegInf, kNegInf};
+    if (ok) masked_logits(q_s, tile, sm.rows[slot], a.scale, warp, lane, sc);
+    block_max_to_red(sc, sm.red, warp, lane);
+    if (tid < kAttnHeads) {
+      float m = sm.red[0][tid];
+#pragma unroll
+      for (int w = 1; w < kWarps; ++w) m = fmaxf(m, sm.red[w][tid]);
+      bm[k * kAttnHeads + tid] = m;
+    }
+    __syncthreads();  // the tile, its rows and red are free
+    if (issue_block<PACKED>(a, b, s, sp, k + kLongBuf, kv_s, sm, tid)) valid |= 1ull << (k + kLongBuf);
+  }
+  cp_async_wait<0>();
+}
+
+template <bool PACKED>
+__global__ void __launch_bounds__(kThreads, 1) attn_long_walk_kernel(const AttnArgs a) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  unsigned char* q_s = smem;
+  unsigned char* kv_s = smem + kQBytes;
+  unsigned char* p_s = kv_s + kLongBuf * kKvBytes;
+  LongSmall& sm = *reinterpret_cast<LongSmall*>(p_s + kPBytes);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t4 = lane & 3;
+  const long long b = blockIdx.z / a.S, s = blockIdx.z % a.S;
+  const long long qh = static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y;  // (query, head group)
+  const Split sp = my_split(a);
+  griddep_wait();  // the blocks' maxima
+  griddep_launch_dependents();
+  load_q(a, b, s, blockIdx.y * kAttnHeads, q_s, tid);
+  unsigned long long valid = 0;
+#pragma unroll
+  for (int k = 0; k < kLongBuf; ++k) {
+    if (issue_block<PACKED>(a, b, s, sp, k, kv_s, sm, tid)) valid |= 1ull << k;
+  }
+
+  // the running maximum at each of the split's blocks: the maximum over every block of the list up to it
+  const float* bm = a.bmax + qh * a.nblk * kAttnHeads;
+  {
+    const int h = tid & (kAttnHeads - 1), part = tid / kAttnHeads;
+    float m = kNegInf;
+    for (int k = part; k < sp.blk0; k += kThreads / kAttnHeads) m = fmaxf(m, bm[k * kAttnHeads + h]);
+    sm.part[part][h] = m;
+  }
+  __syncthreads();
+  if (tid < kAttnHeads) {
+    float m = kNegInf;
+#pragma unroll
+    for (int p = 0; p < kThreads / kAttnHeads; ++p) m = fmaxf(m, sm.part[p][tid]);
+    for (int k = 0; k < sp.nb; ++k) {
+      m = fmaxf(m, bm[(sp.blk0 + k) * kAttnHeads + tid]);
+      sm.seed[k][tid] = m;
+    }
+  }
+  // (published by the first block's barrier)
+
+  float acc[kCols / 8][4];
+#pragma unroll
+  for (int n = 0; n < kCols / 8; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
+  }
+  float mr0 = kNegInf, mr1 = kNegInf, z0 = 0.0f, z1 = 0.0f;
+  for (int k = 0; k < sp.nb; ++k) {
+    const int slot = k % kLongBuf;
+    unsigned char* tile = kv_s + slot * kKvBytes;
+    const bool ok = (valid >> k) & 1ull;
+    block_landed<PACKED>(tile, ok, tid);
+    if (ok) {  // the same for the whole CTA; the seeds are finite
+      float sc[4];
+      masked_logits(q_s, tile, sm.rows[slot], a.scale, warp, lane, sc);
+      walk_block(sm.seed[k][g], sm.seed[k][g + 8], sc, p_s, tile, sm.red, warp, lane, mr0, mr1, z0, z1, acc);
+    }
+    if (issue_block<PACKED>(a, b, s, sp, k + kLongBuf, kv_s, sm, tid)) valid |= 1ull << (k + kLongBuf);
+  }
+  cp_async_wait<0>();
+
+  // the split's partial: acc [16, 512], (m, Z) [16]
+  const long long pi = qh * a.nsplit + blockIdx.x;
+  float* pa = a.pacc + pi * kAttnHeads * kAttnD;
+#pragma unroll
+  for (int n = 0; n < kCols / 8; ++n) {
+    const int col = warp * kCols + n * 8 + 2 * t4;
+    *reinterpret_cast<float2*>(pa + g * kAttnD + col) = make_float2(acc[n][0], acc[n][1]);
+    *reinterpret_cast<float2*>(pa + (g + 8) * kAttnD + col) = make_float2(acc[n][2], acc[n][3]);
+  }
+  if (warp == 0 && t4 == 0) {
+    a.pm[pi * kAttnHeads + g] = mr0;
+    a.pm[pi * kAttnHeads + g + 8] = mr1;
+    a.pz[pi * kAttnHeads + g] = z0;
+    a.pz[pi * kAttnHeads + g + 8] = z1;
+  }
+}
+
+// grid (H, queries): head h of a query, the splits' partials combined in split order (the cluster kernel's step 4)
+__global__ void __launch_bounds__(kCombineThreads) attn_long_combine_kernel(const AttnArgs a) {
+  __shared__ float w[kAttnLongMaxSplits];
+  __shared__ float zs[kAttnLongMaxSplits];
+  __shared__ float zt;
+  const int tid = threadIdx.x, h = blockIdx.x, hg = h / kAttnHeads, hh = h % kAttnHeads;
+  const long long b = blockIdx.y / a.S, s = blockIdx.y % a.S;
+  const long long p0 = (static_cast<long long>(blockIdx.y) * (gridDim.x / kAttnHeads) + hg) * a.nsplit;
+  griddep_wait();  // the partials
+  griddep_launch_dependents();
+  if (tid < 32) {
+    float mm = kNegInf;
+    for (int i = tid; i < a.nsplit; i += 32) mm = fmaxf(mm, a.pm[(p0 + i) * kAttnHeads + hh]);
+#pragma unroll
+    for (int o = 16; o >= 1; o >>= 1) mm = fmaxf(mm, __shfl_xor_sync(0xffffffffu, mm, o));
+    const float base = mm == kNegInf ? 0.0f : mm;  // no valid slot anywhere: o = 0
+    for (int i = tid; i < a.nsplit; i += 32) {
+      w[i] = expf(a.pm[(p0 + i) * kAttnHeads + hh] - base);  // 0 for a split without a valid slot
+      zs[i] = a.pz[(p0 + i) * kAttnHeads + hh];
+    }
+    __syncwarp();
+    if (tid == 0) {
+      float z = 0.0f;
+      for (int i = 0; i < a.nsplit; ++i) z += zs[i] * w[i];
+      zt = z + expf(a.sink[h] - base);
+    }
+  }
+  __syncthreads();
+  const int d = tid * 4;
+  float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  const float* pa = a.pacc + (p0 * kAttnHeads + hh) * kAttnD + d;
+#pragma unroll 4
+  for (int i = 0; i < a.nsplit; ++i) {
+    const float4 pr = *reinterpret_cast<const float4*>(pa + static_cast<long long>(i) * kAttnHeads * kAttnD);
+    const float wi = w[i];
+    v.x += pr.x * wi;
+    v.y += pr.y * wi;
+    v.z += pr.z * wi;
+    v.w += pr.w * wi;
+  }
+  store_out4(a, a.o + b * a.so_b + s * a.so_s + static_cast<long long>(h) * a.so_h, s, d, v, zt);
+}
+
+template <bool PACKED>
+cudaError_t launch_long(const AttnArgs& a, int queries, int head_groups, bool pdl, cudaStream_t stream) {
+  constexpr int smem = long_smem_bytes();
+  auto k1 = attn_long_max_kernel<PACKED>;
+  auto k2 = attn_long_walk_kernel<PACKED>;
+  cudaError_t e = cudaFuncSetAttribute(k1, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e == cudaSuccess) e = cudaFuncSetAttribute(k2, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  const dim3 grid(a.nsplit, head_groups, queries);
+  if (e == cudaSuccess) e = launch_pdl(k1, grid, dim3(kThreads), smem, pdl, stream, a);
+  if (e == cudaSuccess) e = launch_pdl(k2, grid, dim3(kThreads), smem, pdl, stream, a);
+  if (e == cudaSuccess) {
+    e = launch_pdl(attn_long_combine_kernel, dim3(head_groups * kAttnHeads, queries), dim3(kCombineThreads), 0, pdl,
+                   stream, a);
+  }
+  return e;
 }
 
 template <int C, int NBL, bool PACKED>
@@ -497,9 +778,30 @@ auto with_config(int slots, F&& f) -> decltype(f(Config<1, 1>{})) {
 
 }  // namespace
 
+AttnLongPlan sparse_attn_long_plan(int slots, int queries, int head_groups, int sms) {
+  AttnLongPlan p{};
+  p.nblk = (slots + kAttnBlock - 1) / kAttnBlock;
+  // about one CTA per SM over every (query, head group), within the splits' and the seeds' bounds
+  const long long work = static_cast<long long>(p.nblk) * queries * head_groups;
+  int bps = static_cast<int>((work + sms - 1) / (sms > 0 ? sms : 1));
+  bps = max(bps, (p.nblk + kAttnLongMaxSplits - 1) / kAttnLongMaxSplits);
+  p.bps = min(max(bps, 1), kAttnLongMaxBps);
+  p.nsplit = (p.nblk + p.bps - 1) / p.bps;
+  return p;
+}
+
 cudaError_t sparse_attn_decode_launch(const AttnArgs& a, int queries, int head_groups, bool pdl, cudaStream_t stream) {
   const int L = a.Lw + a.Lc;
-  if (L < 1 || L > kAttnMaxSlots || queries < 1 || head_groups < 1) return cudaErrorInvalidValue;
+  if (L < 1 || L > kAttnLongMaxSlots || queries < 1 || head_groups < 1) return cudaErrorInvalidValue;
+  if (L > kAttnMaxSlots) {
+    if (a.bmax == nullptr || a.pm == nullptr || a.pz == nullptr || a.pacc == nullptr || a.bps < 1 ||
+        a.bps > kAttnLongMaxBps || a.nsplit < 1 || a.nsplit > kAttnLongMaxSplits ||
+        a.nblk != (L + kAttnBlock - 1) / kAttnBlock || static_cast<long long>(a.nsplit) * a.bps < a.nblk) {
+      return cudaErrorInvalidValue;
+    }
+    return a.packed ? launch_long<true>(a, queries, head_groups, pdl, stream)
+                    : launch_long<false>(a, queries, head_groups, pdl, stream);
+  }
   return with_config(L, [&](auto cfg) {
     using K = decltype(cfg);
     return a.packed ? launch<K::C, K::NBL, true>(a, queries, head_groups, pdl, stream)
@@ -508,7 +810,8 @@ cudaError_t sparse_attn_decode_launch(const AttnArgs& a, int queries, int head_g
 }
 
 int sparse_attn_decode_smem(int slots) {
-  if (slots < 1 || slots > kAttnMaxSlots) return -1;
+  if (slots < 1 || slots > kAttnLongMaxSlots) return -1;
+  if (slots > kAttnMaxSlots) return long_smem_bytes();
   return with_config(slots, [](auto cfg) {
     using K = decltype(cfg);
     return smem_bytes<K::C, K::NBL>();

@@ -25,6 +25,13 @@ struct AttnArgs {
   const float* cos;
   const float* sin;
   int rd2;
+  // lists longer than kAttnMaxSlots (sparse_attn_long_plan): nblk 64-slot blocks in nsplit splits of bps blocks; fp32
+  // scratch: bmax [queries, H / 16, nblk, 16], pm / pz [queries, H / 16, nsplit, 16], pacc [.., nsplit, 16, 512]
+  float* bmax;
+  float* pm;
+  float* pz;
+  float* pacc;
+  int nblk, bps, nsplit;
 };
 
 constexpr int kAttnD = 512;         // K = V width
@@ -32,14 +39,25 @@ constexpr int kAttnHeads = 16;      // query heads per CTA
 constexpr int kAttnBlock = 64;      // slots per online-softmax step
 constexpr int kAttnMaxCluster = 8;  // CTAs per (query, head group): the list's blocks are spread over them
 constexpr int kAttnMaxBlocksPerCta = 3;  // a CTA keeps the K = V rows of its blocks in shared memory
-constexpr int kAttnMaxSlots = kAttnBlock * kAttnMaxCluster * kAttnMaxBlocksPerCta;  // 1536
+constexpr int kAttnMaxSlots = kAttnBlock * kAttnMaxCluster * kAttnMaxBlocksPerCta;  // 1536: one cluster
+constexpr int kAttnLongMaxSlots = 1 << 20;  // longer lists: three launches over splits (an HCA list at 128M tokens)
+constexpr int kAttnLongMaxBps = 64;         // blocks per split, at most
+constexpr int kAttnLongMaxSplits = 256;     // splits per (query, head group), at most
 constexpr int kAttnNope = 448;                  // packed rows: e4m3 codes of the first 448 dims,
 constexpr int kAttnPackedBytes = 592;           // then 64 bf16 RoPE dims, 7 scale bytes, padding
 
-// B * S queries (grid z), H / 16 head groups; 1 <= Lw + Lc <= kAttnMaxSlots (checked by the binding)
+struct AttnLongPlan {
+  int nblk, bps, nsplit;
+};
+
+// the splits of a list of kAttnMaxSlots < slots <= kAttnLongMaxSlots: about one CTA per SM
+AttnLongPlan sparse_attn_long_plan(int slots, int queries, int head_groups, int sms);
+
+// B * S queries (grid z), H / 16 head groups; 1 <= Lw + Lc <= kAttnLongMaxSlots (checked by the binding); past
+// kAttnMaxSlots the plan's fields and scratch must be set
 cudaError_t sparse_attn_decode_launch(const AttnArgs& a, int queries, int head_groups, bool pdl, cudaStream_t stream);
 
-// dynamic shared memory of one CTA for a list of `slots` (the launch's config), -1 outside 1..kAttnMaxSlots
+// dynamic shared memory of one CTA for a list of `slots` (the launch's config), -1 outside 1..kAttnLongMaxSlots
 int sparse_attn_decode_smem(int slots);
 
 }  // namespace dsv4

@@ -434,8 +434,8 @@ void sparse_attn_decode(const at::Tensor& q, const at::Tensor& kv_win, const at:
     TORCH_CHECK(list_ok(*idx_comp), "sparse_attn_decode: idx_comp must be int32 [B, S, Lc]");
     Lc = idx_comp->size(2);
   }
-  DSV4_CHECK(Lw + Lc >= 1 && Lw + Lc <= dsv4::kAttnMaxSlots, "sparse_attn_decode: lists of 1 to %d slots (got %lld)",
-             dsv4::kAttnMaxSlots, LL(Lw + Lc));
+  DSV4_CHECK(Lw + Lc >= 1 && Lw + Lc <= dsv4::kAttnLongMaxSlots, "sparse_attn_decode: lists of 1 to %d slots (got %lld)",
+             dsv4::kAttnLongMaxSlots, LL(Lw + Lc));
   TORCH_CHECK(sink.is_cuda() && sink.device() == q.device() && sink.scalar_type() == at::kFloat && sink.is_contiguous() &&
               sink.numel() == H, "sparse_attn_decode: sink must be fp32 [H]");
   TORCH_CHECK(o.is_cuda() && o.device() == q.device() && o.scalar_type() == at::kBFloat16 && o.dim() == 4 && o.size(0) == B &&
@@ -483,6 +483,25 @@ void sparse_attn_decode(const at::Tensor& q, const at::Tensor& kv_win, const at:
   a.Lc = static_cast<int>(Lc);
   a.scale = static_cast<float>(scale);
   const c10::cuda::CUDAGuard guard(q.device());
+  at::Tensor scratch;
+  if (Lw + Lc > dsv4::kAttnMaxSlots) {  // the long lists' splits and their fp32 scratch (allocated on the stream)
+    int sms = 0;
+    DSV4_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, q.get_device()) == cudaSuccess,
+               "sparse_attn_decode: no SM count for device %d", static_cast<int>(q.get_device()));
+    const dsv4::AttnLongPlan p = dsv4::sparse_attn_long_plan(static_cast<int>(Lw + Lc), static_cast<int>(B * S),
+                                                             static_cast<int>(H / HG), sms);
+    const int64_t qh = B * S * (H / HG);
+    const int64_t nb = qh * p.nblk * HG, np = qh * p.nsplit * HG;
+    scratch = at::empty({nb + 2 * np + np * D}, q.options().dtype(at::kFloat));
+    float* f = scratch.data_ptr<float>();
+    a.pacc = f;  // first: 16-byte aligned
+    a.bmax = f + np * D;
+    a.pm = a.bmax + nb;
+    a.pz = a.pm + np;
+    a.nblk = p.nblk;
+    a.bps = p.bps;
+    a.nsplit = p.nsplit;
+  }
   const cudaError_t e = dsv4::sparse_attn_decode_launch(a, static_cast<int>(B * S), static_cast<int>(H / HG), pdl,
                                                         c10::cuda::getCurrentCUDAStream().stream());
   DSV4_CHECK(e == cudaSuccess, "sparse_attn_decode launch failed: %s", cudaGetErrorString(e));
