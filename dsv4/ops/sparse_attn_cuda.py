@@ -6,7 +6,7 @@ rows that the kernel converts to bf16 in shared memory), H a multiple of 16 and 
   over up to 8 CTAs, each keeping its blocks' rows in shared memory; the running maximum of the sequential walk is
   exchanged across the cluster before the walk, so every p and bf16(p) is the reference's, and the CTAs' partials are
   combined in rank order;
-- longer lists (HCA past 192K tokens of context; up to 2^20 slots), three launches over about one CTA per SM: every
+- longer lists (HCA past 192K tokens of context; up to 2^18 slots), three launches over about one CTA per SM: every
   block's maximum logit per head into global memory, then each split's walk from the running maximum at its blocks
   (the same p and bf16(p)) into fp32 partials, then the partials combined in split order.
 Given RoPE tables, the output's RoPE dims are rotated back in the epilogue. Same input, same bits; no host sync,
@@ -26,7 +26,7 @@ D = 512  # K = V width (the kernel's tiles)
 HEADS = 16  # query heads per CTA
 MAX_QUERIES = 8  # decode: more queries are prefill chunks, which the Triton kernel (one program per query) serves
 CLUSTER_SLOTS = 1536  # one launch: 64-slot blocks x 8 CTAs x 3 blocks kept in shared memory per CTA
-MAX_SLOTS = 1 << 20  # longer lists: three launches over splits
+MAX_SLOTS = 1 << 18  # longer lists: three launches over up to 256 splits of up to 16 blocks
 PACKED_BYTES = kv_row_bytes(D)  # 592: a packed FP8 row, converted to bf16 in shared memory
 _OPTIN: dict[int, int] = {}
 
@@ -54,7 +54,7 @@ def applies(q: torch.Tensor, kv_win: torch.Tensor, idx_win: torch.Tensor, kv_com
             sin: torch.Tensor | None = None) -> bool:
     """True when the CUDA kernel runs this call: CUDA sm_90+ with the shared memory the list needs per CTA (up to
     ~220 KB), bf16 q [B, S, H, 512] with 1 <= B * S <= 8 and H a multiple of 16, bf16 rows (or packed FP8 rows,
-    both parts) with 16-byte aligned rows, int32 lists of 1..2^20 slots in all, an fp32 sink, no RoPE tables or fp32 [S, rd/2] ones (rd/2 even),
+    both parts) with 16-byte aligned rows, int32 lists of 1..2^18 slots in all, an fp32 sink, no RoPE tables or fp32 [S, rd/2] ones (rd/2 even),
     the module built."""
     if not (q.is_cuda and q.dtype == torch.bfloat16 and q.dim() == 4 and q.shape[3] == D and q.stride(3) == 1):
         return False

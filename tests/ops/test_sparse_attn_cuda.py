@@ -118,7 +118,7 @@ def test_limits_route_elsewhere():
     assert sc.applies(*ok[:6])  # 1536 slots: one cluster
     q, kvw, iw, kvc, ic, sink, _ = ok
     longest = torch.zeros(1, 1, sc.MAX_SLOTS - 128, dtype=torch.int32, device="cuda")
-    assert sc.applies(q, kvw, iw, kvc, longest, sink)  # 2^20 slots: the split path
+    assert sc.applies(q, kvw, iw, kvc, longest, sink)  # 2^18 slots: the split path
     assert not sc.applies(q, kvw, iw, kvc, torch.cat([longest, longest[..., :1]], -1), sink)  # one more: Triton
     chunk = make_case(1, 9, 64, 512, 128, 256, 256, seed=1, device="cuda")
     assert not sc.applies(*chunk[:6])  # 9 queries: a prefill chunk
@@ -127,9 +127,9 @@ def test_limits_route_elsewhere():
     mod = cuda_kernels.load()
     # 16 KB of q rows + 3 blocks of 64 KB + 2 KB of bf16(p) + 5,376 bytes of small arrays (C = 8)
     assert mod.sparse_attn_decode_smem(1536) == 220416
-    # past it a ring of 3 tiles: the same, with 7,168 bytes of small arrays (row pointers, seeds of 64 blocks)
-    assert mod.sparse_attn_decode_smem(1537) == mod.sparse_attn_decode_smem(1 << 20) == 222208
-    assert mod.sparse_attn_decode_smem((1 << 20) + 1) == -1 and mod.sparse_attn_decode_smem(0) == -1
+    # past it a ring of 3 tiles: the same, with 10,784 bytes of small arrays (the rows of a split's 16 blocks, seeds)
+    assert mod.sparse_attn_decode_smem(1537) == mod.sparse_attn_decode_smem(1 << 18) == 225824
+    assert mod.sparse_attn_decode_smem((1 << 18) + 1) == -1 and mod.sparse_attn_decode_smem(0) == -1
     assert not sc.applies(q, kvw, iw.long(), kvc, ic, sink)  # int64 lists
     assert not sc.applies(q.float(), kvw.float(), iw, kvc.float(), ic, sink)
 
@@ -203,8 +203,8 @@ def test_binding_refuses_bad_calls():
         mod.sparse_attn_decode(q, kvw, iw.long(), kvc, ic, sink, o, scale, False, None, None)
     with pytest.raises(RuntimeError, match="come together"):
         mod.sparse_attn_decode(q, kvw, iw, kvc, None, sink, o, scale, False, None, None)
-    big = torch.zeros(1, 1, (1 << 20) - 127, dtype=torch.int32, device="cuda")
-    with pytest.raises(RuntimeError, match=r"lists of 1 to 1048576 slots \(got 1048577\)"):
+    big = torch.zeros(1, 1, (1 << 18) - 127, dtype=torch.int32, device="cuda")
+    with pytest.raises(RuntimeError, match=r"lists of 1 to 262144 slots \(got 262145\)"):
         mod.sparse_attn_decode(q, kvw, iw, kvc, big, sink, o, scale, False, None, None)
     with pytest.raises(RuntimeError, match="kv_win must be bf16"):
         mod.sparse_attn_decode(q, kvw[:, :, 1:], iw, kvc, ic, sink, o, scale, False, None, None)

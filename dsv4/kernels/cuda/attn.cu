@@ -522,13 +522,14 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_decode_kernel(const A
 // cluster kernel's step 4. The rows stream through a ring of kLongBuf tiles per CTA (read twice: the second pass
 // mostly from L2).
 constexpr int kLongBuf = 3;
-constexpr int kCombineThreads = kAttnD / 4;  // one float4 of the head's output each
+constexpr int kCombineThreads = kAttnD;  // four per float4 of the head's output (128 float4)
 
 struct LongSmall {
-  const unsigned char* rows[kLongBuf][kAttnBlock];
+  const unsigned char* rows[kAttnLongMaxBps][kAttnBlock];  // every slot's row of the split (null: none)
   float red[kWarps][kAttnHeads];
   float seed[kAttnLongMaxBps][kAttnHeads];  // the walk's running maximum at each of the split's blocks
-  float part[16][kAttnHeads];              // maxima over the blocks before the split, 16 strided parts per head
+  float part[16][kAttnHeads];               // maxima over the blocks before the split, 16 strided parts per head
+  unsigned wvalid[kWarps];                  // per warp: bit k, a slot of block k it named is valid
 };
 
 constexpr int long_smem_bytes() { return kQBytes + kLongBuf * kKvBytes + kPBytes + static_cast<int>(sizeof(LongSmall)); }
@@ -543,20 +544,33 @@ __device__ __forceinline__ Split my_split(const AttnArgs& a) {
   return {blk0, min(a.bps, a.nblk - blk0)};
 }
 
-// block k of the split into ring slot k % kLongBuf: its rows named, gathered if any is valid; one cp.async group
-// (empty past the split). Whether the block has a valid slot (the same in every thread)
-template <bool PACKED>
-__device__ __forceinline__ bool issue_block(const AttnArgs& a, long long b, long long s, Split sp, int k,
-                                            unsigned char* kv_s, LongSmall& sm, int tid) {
-  bool valid = false;
-  if (k < sp.nb) {
-    const int slot = k % kLongBuf;
-    if (tid < kAttnBlock) sm.rows[slot][tid] = slot_row(a, b, s, (sp.blk0 + k) * kAttnBlock + tid);
-    valid = __syncthreads_or(tid < kAttnBlock && sm.rows[slot][tid] != nullptr) != 0;
-    if (valid) gather_rows<PACKED>(kv_s + slot * kKvBytes, sm.rows[slot], tid, a.q);
+// every slot of the split named at once (the list's indices in one round trip, not one per block) -> sm.rows; returns
+// the blocks with a valid slot as bits (the same in every thread)
+__device__ __forceinline__ unsigned split_rows(const AttnArgs& a, long long b, long long s, Split sp, LongSmall& sm,
+                                               int tid) {
+  unsigned mine = 0;
+  const int n = sp.nb * kAttnBlock;
+#pragma unroll 4
+  for (int u = tid; u < n; u += kThreads) {
+    const unsigned char* row = slot_row(a, b, s, sp.blk0 * kAttnBlock + u);
+    sm.rows[u / kAttnBlock][u % kAttnBlock] = row;
+    if (row != nullptr) mine |= 1u << (u / kAttnBlock);
   }
+  mine = __reduce_or_sync(0xffffffffu, mine);
+  if ((tid & 31) == 0) sm.wvalid[tid >> 5] = mine;
+  __syncthreads();
+  unsigned all = 0;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) all |= sm.wvalid[w];
+  return all;
+}
+
+// block k of the split into ring slot k % kLongBuf, if it has a valid slot; one cp.async group (empty past the split)
+template <bool PACKED>
+__device__ __forceinline__ void issue_block(const AttnArgs& a, Split sp, unsigned valid, int k, unsigned char* kv_s,
+                                            const LongSmall& sm, int tid) {
+  if (k < sp.nb && ((valid >> k) & 1u)) gather_rows<PACKED>(kv_s + (k % kLongBuf) * kKvBytes, sm.rows[k], tid, a.q);
   cp_async_commit();
-  return valid;
 }
 
 // the ring's k-th block has landed (every thread's copies) and, packed, is converted to bf16 rows
@@ -584,19 +598,17 @@ __global__ void __launch_bounds__(kThreads, 1) attn_long_max_kernel(const AttnAr
   griddep_wait();  // q, the lists and the rows come from earlier kernels
   griddep_launch_dependents();
   load_q(a, b, s, blockIdx.y * kAttnHeads, q_s, tid);
-  unsigned long long valid = 0;  // bit k: block k of the split has a valid slot (k < bps <= 64)
+  const unsigned valid = split_rows(a, b, s, sp, sm, tid);  // bit k: block k of the split has a valid slot
 #pragma unroll
-  for (int k = 0; k < kLongBuf; ++k) {
-    if (issue_block<PACKED>(a, b, s, sp, k, kv_s, sm, tid)) valid |= 1ull << k;
-  }
+  for (int k = 0; k < kLongBuf; ++k) issue_block<PACKED>(a, sp, valid, k, kv_s, sm, tid);
   float* bm = a.bmax + ((static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y) * a.nblk + sp.blk0) * kAttnHeads;
   for (int k = 0; k < sp.nb; ++k) {
     const int slot = k % kLongBuf;
     unsigned char* tile = kv_s + slot * kKvBytes;
-    const bool ok = (valid >> k) & 1ull;
+    const bool ok = (valid >> k) & 1u;
     block_landed<PACKED>(tile, ok, tid);
     float sc[4] = {kNegInf, kNegInf, kNegInf, kNegInf};
-    if (ok) masked_logits(q_s, tile, sm.rows[slot], a.scale, warp, lane, sc);
+    if (ok) masked_logits(q_s, tile, sm.rows[k], a.scale, warp, lane, sc);
     block_max_to_red(sc, sm.red, warp, lane);
     if (tid < kAttnHeads) {
       float m = sm.red[0][tid];
@@ -604,8 +616,8 @@ __global__ void __launch_bounds__(kThreads, 1) attn_long_max_kernel(const AttnAr
       for (int w = 1; w < kWarps; ++w) m = fmaxf(m, sm.red[w][tid]);
       bm[k * kAttnHeads + tid] = m;
     }
-    __syncthreads();  // the tile, its rows and red are free
-    if (issue_block<PACKED>(a, b, s, sp, k + kLongBuf, kv_s, sm, tid)) valid |= 1ull << (k + kLongBuf);
+    __syncthreads();  // the tile and red are free
+    issue_block<PACKED>(a, sp, valid, k + kLongBuf, kv_s, sm, tid);
   }
   cp_async_wait<0>();
 }
@@ -625,19 +637,21 @@ __global__ void __launch_bounds__(kThreads, 1) attn_long_walk_kernel(const AttnA
   griddep_wait();  // the blocks' maxima
   griddep_launch_dependents();
   load_q(a, b, s, blockIdx.y * kAttnHeads, q_s, tid);
-  unsigned long long valid = 0;
+  const unsigned valid = split_rows(a, b, s, sp, sm, tid);
 #pragma unroll
-  for (int k = 0; k < kLongBuf; ++k) {
-    if (issue_block<PACKED>(a, b, s, sp, k, kv_s, sm, tid)) valid |= 1ull << k;
-  }
+  for (int k = 0; k < kLongBuf; ++k) issue_block<PACKED>(a, sp, valid, k, kv_s, sm, tid);
 
   // the running maximum at each of the split's blocks: the maximum over every block of the list up to it
+  // (every load issued before any is used: the blocks before the split in 16 strided parts per head, the split's own
+  // blocks' maxima into seed; then the prefix over them)
   const float* bm = a.bmax + qh * a.nblk * kAttnHeads;
   {
     const int h = tid & (kAttnHeads - 1), part = tid / kAttnHeads;
     float m = kNegInf;
+#pragma unroll 8
     for (int k = part; k < sp.blk0; k += kThreads / kAttnHeads) m = fmaxf(m, bm[k * kAttnHeads + h]);
     sm.part[part][h] = m;
+    for (int i = tid; i < sp.nb * kAttnHeads; i += kThreads) sm.seed[i / kAttnHeads][i % kAttnHeads] = bm[sp.blk0 * kAttnHeads + i];
   }
   __syncthreads();
   if (tid < kAttnHeads) {
@@ -645,7 +659,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_long_walk_kernel(const AttnA
 #pragma unroll
     for (int p = 0; p < kThreads / kAttnHeads; ++p) m = fmaxf(m, sm.part[p][tid]);
     for (int k = 0; k < sp.nb; ++k) {
-      m = fmaxf(m, bm[(sp.blk0 + k) * kAttnHeads + tid]);
+      m = fmaxf(m, sm.seed[k][tid]);
       sm.seed[k][tid] = m;
     }
   }
@@ -661,14 +675,16 @@ __global__ void __launch_bounds__(kThreads, 1) attn_long_walk_kernel(const AttnA
   for (int k = 0; k < sp.nb; ++k) {
     const int slot = k % kLongBuf;
     unsigned char* tile = kv_s + slot * kKvBytes;
-    const bool ok = (valid >> k) & 1ull;
+    const bool ok = (valid >> k) & 1u;
     block_landed<PACKED>(tile, ok, tid);
     if (ok) {  // the same for the whole CTA; the seeds are finite
       float sc[4];
-      masked_logits(q_s, tile, sm.rows[slot], a.scale, warp, lane, sc);
+      masked_logits(q_s, tile, sm.rows[k], a.scale, warp, lane, sc);
       walk_block(sm.seed[k][g], sm.seed[k][g + 8], sc, p_s, tile, sm.red, warp, lane, mr0, mr1, z0, z1, acc);
+    } else {
+      __syncthreads();  // every thread is past block_landed: the slot's tile may be refilled
     }
-    if (issue_block<PACKED>(a, b, s, sp, k + kLongBuf, kv_s, sm, tid)) valid |= 1ull << (k + kLongBuf);
+    issue_block<PACKED>(a, sp, valid, k + kLongBuf, kv_s, sm, tid);
   }
   cp_async_wait<0>();
 
@@ -689,16 +705,30 @@ __global__ void __launch_bounds__(kThreads, 1) attn_long_walk_kernel(const AttnA
   }
 }
 
-// grid (H, queries): head h of a query, the splits' partials combined in split order (the cluster kernel's step 4)
+// grid (H, queries): head h of a query, the splits' partials combined (the cluster kernel's step 4). Thread t sums
+// float4 t % 128 of the head's row over a quarter of the splits (t / 128) in split order, then the quarters are added
+// in order: a fixed order. A thread's first kCombineRegs partials are loaded before the weights are known
+constexpr int kCombineRegs = 16;
+
 __global__ void __launch_bounds__(kCombineThreads) attn_long_combine_kernel(const AttnArgs a) {
   __shared__ float w[kAttnLongMaxSplits];
   __shared__ float zs[kAttnLongMaxSplits];
   __shared__ float zt;
+  __shared__ float4 quarter[3][kAttnD / 4];
   const int tid = threadIdx.x, h = blockIdx.x, hg = h / kAttnHeads, hh = h % kAttnHeads;
   const long long b = blockIdx.y / a.S, s = blockIdx.y % a.S;
   const long long p0 = (static_cast<long long>(blockIdx.y) * (gridDim.x / kAttnHeads) + hg) * a.nsplit;
+  const int c = tid % (kAttnD / 4), qr = tid / (kAttnD / 4), d = c * 4;
+  const int per = (a.nsplit + 3) / 4, i0 = min(a.nsplit, qr * per), i1 = min(a.nsplit, i0 + per);
+  const float* pa = a.pacc + (p0 * kAttnHeads + hh) * kAttnD + d;
+  constexpr long long kStride = static_cast<long long>(kAttnHeads) * kAttnD;  // one split's partial
   griddep_wait();  // the partials
   griddep_launch_dependents();
+  float4 pr[kCombineRegs];
+#pragma unroll
+  for (int j = 0; j < kCombineRegs; ++j) {
+    pr[j] = i0 + j < i1 ? *reinterpret_cast<const float4*>(pa + (i0 + j) * kStride) : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
   if (tid < 32) {
     float mm = kNegInf;
     for (int i = tid; i < a.nsplit; i += 32) mm = fmaxf(mm, a.pm[(p0 + i) * kAttnHeads + hh]);
@@ -717,19 +747,35 @@ __global__ void __launch_bounds__(kCombineThreads) attn_long_combine_kernel(cons
     }
   }
   __syncthreads();
-  const int d = tid * 4;
   float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  const float* pa = a.pacc + (p0 * kAttnHeads + hh) * kAttnD + d;
-#pragma unroll 4
-  for (int i = 0; i < a.nsplit; ++i) {
-    const float4 pr = *reinterpret_cast<const float4*>(pa + static_cast<long long>(i) * kAttnHeads * kAttnD);
-    const float wi = w[i];
-    v.x += pr.x * wi;
-    v.y += pr.y * wi;
-    v.z += pr.z * wi;
-    v.w += pr.w * wi;
+#pragma unroll
+  for (int j = 0; j < kCombineRegs; ++j) {
+    if (i0 + j < i1) {
+      const float wi = w[i0 + j];
+      v.x += pr[j].x * wi;
+      v.y += pr[j].y * wi;
+      v.z += pr[j].z * wi;
+      v.w += pr[j].w * wi;
+    }
   }
-  store_out4(a, a.o + b * a.so_b + s * a.so_s + static_cast<long long>(h) * a.so_h, s, d, v, zt);
+  for (int i = i0 + kCombineRegs; i < i1; ++i) {  // more than 4 x 16 splits
+    const float4 p = *reinterpret_cast<const float4*>(pa + i * kStride);
+    const float wi = w[i];
+    v.x += p.x * wi;
+    v.y += p.y * wi;
+    v.z += p.z * wi;
+    v.w += p.w * wi;
+  }
+  if (qr > 0) quarter[qr - 1][c] = v;
+  __syncthreads();
+  if (qr == 0) {
+#pragma unroll
+    for (int k = 0; k < 3; ++k) {
+      const float4 u = quarter[k][c];
+      v = make_float4(v.x + u.x, v.y + u.y, v.z + u.z, v.w + u.w);
+    }
+    store_out4(a, a.o + b * a.so_b + s * a.so_s + static_cast<long long>(h) * a.so_h, s, d, v, zt);
+  }
 }
 
 template <bool PACKED>

@@ -40,9 +40,9 @@ constexpr int kAttnBlock = 64;      // slots per online-softmax step
 constexpr int kAttnMaxCluster = 8;  // CTAs per (query, head group): the list's blocks are spread over them
 constexpr int kAttnMaxBlocksPerCta = 3;  // a CTA keeps the K = V rows of its blocks in shared memory
 constexpr int kAttnMaxSlots = kAttnBlock * kAttnMaxCluster * kAttnMaxBlocksPerCta;  // 1536: one cluster
-constexpr int kAttnLongMaxSlots = 1 << 20;  // longer lists: three launches over splits (an HCA list at 128M tokens)
-constexpr int kAttnLongMaxBps = 64;         // blocks per split, at most
-constexpr int kAttnLongMaxSplits = 256;     // splits per (query, head group), at most
+constexpr int kAttnLongMaxBps = 16;         // longer lists: three launches over splits of at most 16 blocks
+constexpr int kAttnLongMaxSplits = 256;     // and at most 256 splits per (query, head group)
+constexpr int kAttnLongMaxSlots = kAttnBlock * kAttnLongMaxBps * kAttnLongMaxSplits;  // 262144 (an HCA list at 32M tokens)
 constexpr int kAttnNope = 448;                  // packed rows: e4m3 codes of the first 448 dims,
 constexpr int kAttnPackedBytes = 592;           // then 64 bf16 RoPE dims, 7 scale bytes, padding
 
