@@ -234,6 +234,14 @@ def test_long_odd_lists(Lw, Lc, nvis, holes):
     check(args)
 
 
+@pytest.mark.parametrize("H,S,Lc", [(16, 1, 8000), (64, 8, 8192)])
+def test_long_lists_many_splits_and_eight_queries(H, S, Lc):
+    # 16 heads, one query: on 132 SMs a split per block, 127 splits (past the 64 that a combine thread keeps in
+    # registers); eight queries over a 1M-token HCA list: splits of 16 blocks, the most a split holds (9 splits)
+    args = make_case(1, S, H, 512, 128, Lc, Lc, seed=H + S, win_holes=0.05, csa=False, device="cuda", n_vis=Lc - 300)
+    check(args)
+
+
 def test_long_running_max_jumps_late_and_empty_query():
     # an HCA list of 4096 entries + the window (66 blocks, several splits) whose entries 256-3071 are empty and whose
     # keys at 4000-4003 align with the queries: the running maximum jumps in the last split, after splits that met only
