@@ -323,7 +323,8 @@ class Transformer(nn.Module):
         blk = self.mtp[k]
         dev = blk.attn_norm.weight.device
         e = self.embed.weight[next_ids.to(self.embed.weight.device)].to(device=dev, dtype=self.numerics.dtype)
-        x = blk.h_proj(blk.hnorm(streams.to(dev))) + blk.e_proj(blk.enorm(e)).unsqueeze(2)
-        next_ids = next_ids.to(dev)
-        x = blk(x, next_ids, self._plan({}, dev, p0, next_ids.shape[1]), state.mtp[k], self.rope(blk.spec.rope, dev))
-        return self.logits(x, blk.hc_head_fn, blk.hc_head_base, blk.hc_head_scale, blk.norm)
+        with on_device(dev):
+            x = blk.h_proj(blk.hnorm(streams.to(dev))) + blk.e_proj(blk.enorm(e)).unsqueeze(2)
+            next_ids = next_ids.to(dev)
+            x = blk(x, next_ids, self._plan({}, dev, p0, next_ids.shape[1]), state.mtp[k], self.rope(blk.spec.rope, dev))
+            return self.logits(x, blk.hc_head_fn, blk.hc_head_base, blk.hc_head_scale, blk.norm)

@@ -10,7 +10,8 @@ rows that the kernel converts to bf16 in shared memory), H a multiple of 16 and 
   block's maximum logit per head into global memory, then each split's walk from the running maximum at its blocks
   (the same p and bf16(p)) into fp32 partials, then the partials combined in split order.
 Given RoPE tables, the output's RoPE dims are rotated back in the epilogue. Same input, same bits; no host sync,
-graph-safe. `applies(...)` says whether a call takes this path (else the Triton kernels run: prefill chunks, other
+graph-safe. (On the split path the fp32 sums follow the splits, whose size depends on the number of queries in the
+call and the GPU's SM count: a query's low bits may differ between calls of another query count.) `applies(...)` says whether a call takes this path (else the Triton kernels run: prefill chunks, other
 shapes or dtypes, no CUDA build).
 """
 

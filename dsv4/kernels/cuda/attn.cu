@@ -273,6 +273,14 @@ __device__ __forceinline__ void block_max_to_red(const float (&sc)[4], float (&r
   __syncthreads();
 }
 
+__device__ __forceinline__ void zero_acc(float (&acc)[kCols / 8][4]) {
+#pragma unroll
+  for (int n = 0; n < kCols / 8; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
+  }
+}
+
 // one step of the walk over a block with a valid slot, whose running maximum per head is s0 (head g), s1 (g + 8):
 // p = exp(s - m), bf16(p) through shared memory to the P.V mma, Z and acc rescaled from the previous block's maximum
 // (mr: -inf before the first, so the rescale is 0). Ends with a barrier: P, red and the tile may be rewritten after it
@@ -432,11 +440,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_decode_kernel(const A
 
   // 3. the walk over this CTA's blocks
   float acc[kCols / 8][4];
-#pragma unroll
-  for (int n = 0; n < kCols / 8; ++n) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
-  }
+  zero_acc(acc);
   float mr0 = kNegInf, mr1 = kNegInf, z0 = 0.0f, z1 = 0.0f;
 #pragma unroll
   for (int j = 0; j < NBL; ++j) {
@@ -666,11 +670,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_long_walk_kernel(const AttnA
   // (published by the first block's barrier)
 
   float acc[kCols / 8][4];
-#pragma unroll
-  for (int n = 0; n < kCols / 8; ++n) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
-  }
+  zero_acc(acc);
   float mr0 = kNegInf, mr1 = kNegInf, z0 = 0.0f, z1 = 0.0f;
   for (int k = 0; k < sp.nb; ++k) {
     const int slot = k % kLongBuf;
@@ -827,7 +827,9 @@ auto with_config(int slots, F&& f) -> decltype(f(Config<1, 1>{})) {
 AttnLongPlan sparse_attn_long_plan(int slots, int queries, int head_groups, int sms) {
   AttnLongPlan p{};
   p.nblk = (slots + kAttnBlock - 1) / kAttnBlock;
-  // about one CTA per SM over every (query, head group), within the splits' and the seeds' bounds
+  // about one CTA per SM over every (query, head group), within the splits' and the seeds' bounds. The fp32 sums follow
+  // the splits, so a query's low bits may differ between calls of another query count or on a GPU of another SM count
+  // (the same call gives the same bits)
   const long long work = static_cast<long long>(p.nblk) * queries * head_groups;
   int bps = static_cast<int>((work + sms - 1) / (sms > 0 ? sms : 1));
   bps = max(bps, (p.nblk + kAttnLongMaxSplits - 1) / kAttnLongMaxSplits);
@@ -842,7 +844,8 @@ cudaError_t sparse_attn_decode_launch(const AttnArgs& a, int queries, int head_g
   if (L > kAttnMaxSlots) {
     if (a.bmax == nullptr || a.pm == nullptr || a.pz == nullptr || a.pacc == nullptr || a.bps < 1 ||
         a.bps > kAttnLongMaxBps || a.nsplit < 1 || a.nsplit > kAttnLongMaxSplits ||
-        a.nblk != (L + kAttnBlock - 1) / kAttnBlock || static_cast<long long>(a.nsplit) * a.bps < a.nblk) {
+        a.nblk != (L + kAttnBlock - 1) / kAttnBlock || static_cast<long long>(a.nsplit) * a.bps < a.nblk ||
+        static_cast<long long>(a.nsplit - 1) * a.bps >= a.nblk) {  // every split has a block
       return cudaErrorInvalidValue;
     }
     return a.packed ? launch_long<true>(a, queries, head_groups, pdl, stream)
