@@ -15,6 +15,7 @@ from torch import nn
 from dsv4 import formats, ops
 from dsv4.config import LayerSpec, ModelConfig
 from dsv4.model.layers import Linear, Numerics
+from dsv4.ops.act_quant import QuantAct
 from dsv4.ops.linear import PreparedLinear, prepare_linear
 
 
@@ -158,13 +159,18 @@ class MoE(nn.Module):
         inter, self.limit = cfg.moe_intermediate_size, cfg.swiglu_limit
         self.experts = StackedExperts(cfg.n_routed_experts, cfg.hidden_size, inter, expert_fmt, **expert_opts)
         self.shared_experts = Expert(cfg.hidden_size, inter, numerics, fmt, **fmt_opts)
+        # the experts quantize their input (reference numerics, quantized weights): x may come with its codes
+        self.quantizes_input = numerics.reference and expert_fmt != "dense"
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
+    def forward(self, x: torch.Tensor | QuantAct, ids: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
                 comb: torch.Tensor) -> torch.Tensor:
-        # x: [B,S,D] (ffn_norm output), ids: [B,S], the residual streams [B,S,hc,D] with the FFN's mHC post / comb
-        # -> the new streams [B,S,hc,D] (ops.moe_post: the experts' output expanded back, one op)
-        x = x.flatten(0, 1)
+        # x: [B,S,D] (ffn_norm output; a QuantAct when quantizes_input), ids: [B,S], the residual streams [B,S,hc,D]
+        # with the FFN's mHC post / comb -> the new streams [B,S,hc,D] (ops.moe_post: the experts' output expanded
+        # back, one op; the router reads x, the experts may read its codes)
+        xq = x if isinstance(x, QuantAct) else None
+        x = (x.x if xq is not None else x).flatten(0, 1)
         w, idx = self.gate(x, ids.flatten())
         ex = self.experts
-        return ops.moe_post(x, w, idx, ex.w1.prepared(), ex.w2.prepared(), ex.w3.prepared(),
+        return ops.moe_post(x if xq is None else QuantAct(x, xq.q, xq.s), w, idx, ex.w1.prepared(), ex.w2.prepared(),
+                            ex.w3.prepared(),
                             self.shared_experts.prepared(), self.limit, self.numerics.reference, streams, post, comb)

@@ -90,7 +90,9 @@ class Block(nn.Module):
         """The attention's output projections, the mHC boundary and the FFN -> the new streams."""
         x, post, comb = carry
         f = self.attn.finish(o)
-        x, y, post, comb = ops.mhc_post_pre_norm(f, x, post, comb, *self._hc_args("ffn", self.ffn_norm))
+        # y comes with its FP8 quantization when the experts quantize their input (a QuantAct: written by the same op)
+        x, y, post, comb = ops.mhc_post_pre_norm(f, x, post, comb, *self._hc_args("ffn", self.ffn_norm),
+                                                 quant=self.ffn.quantizes_input)
         return self.ffn(y, ids, x, post, comb)  # the FFN's mhc_post inside ops.moe_post
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from dsv4.ops.act_quant import quant_act_ref
 from dsv4.ops.norm import rmsnorm_ref
 
 
@@ -54,19 +55,21 @@ def mhc_head_ref(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
 
 
 def mhc_pre_norm_ref(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int,
-                     iters: int, hc_eps: float, norm_eps: float, w: torch.Tensor, eps: float):
-    """mhc_pre, then the sublayer's RMSNorm (weight w, eps) of its input: -> (rmsnorm(y), post, comb)."""
+                     iters: int, hc_eps: float, norm_eps: float, w: torch.Tensor, eps: float, quant: bool = False):
+    """mhc_pre, then the sublayer's RMSNorm (weight w, eps) of its input: -> (rmsnorm(y), post, comb). With quant
+    the normed y comes as a QuantAct (with its act_quant, for the sublayer's first quantizing linear)."""
     y, post, comb = mhc_pre_ref(x, fn, base, scale, hc, iters, hc_eps, norm_eps)
-    return rmsnorm_ref(y, w, eps), post, comb
+    y = rmsnorm_ref(y, w, eps)
+    return (quant_act_ref(y) if quant else y), post, comb
 
 
 def mhc_post_pre_norm_ref(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
                           fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, iters: int,
-                          hc_eps: float, norm_eps: float, w: torch.Tensor, eps: float):
+                          hc_eps: float, norm_eps: float, w: torch.Tensor, eps: float, quant: bool = False):
     """One mHC boundary: the post of a sublayer (output f), the pre of the next and its RMSNorm:
-    -> (streams x', rmsnorm(y), post', comb')."""
+    -> (streams x', rmsnorm(y), post', comb'); with quant, rmsnorm(y) as a QuantAct."""
     x = mhc_post_ref(f, x, post, comb)
-    return (x, *mhc_pre_norm_ref(x, fn, base, scale, hc, iters, hc_eps, norm_eps, w, eps))
+    return (x, *mhc_pre_norm_ref(x, fn, base, scale, hc, iters, hc_eps, norm_eps, w, eps, quant))
 
 
 def make_fast_boundaries(mhc_triton):
@@ -76,15 +79,16 @@ def make_fast_boundaries(mhc_triton):
         return None, None
     from dsv4.ops import mhc_cuda
 
-    def mhc_pre_norm_fast(x, fn, base, scale, hc, iters, hc_eps, norm_eps, w, eps):
-        if mhc_cuda.applies(x, fn, base, scale, hc, iters, w):
-            return mhc_cuda.boundary(x, fn, base, scale, iters, hc_eps, norm_eps, w, eps)
-        return mhc_triton.mhc_pre_norm(x, fn, base, scale, hc, iters, hc_eps, norm_eps, w, eps)
+    def mhc_pre_norm_fast(x, fn, base, scale, hc, iters, hc_eps, norm_eps, w, eps, quant=False):
+        if mhc_cuda.applies(x, fn, base, scale, hc, iters, w, quant=quant):
+            return mhc_cuda.boundary(x, fn, base, scale, iters, hc_eps, norm_eps, w, eps, quant=quant)
+        return mhc_triton.mhc_pre_norm(x, fn, base, scale, hc, iters, hc_eps, norm_eps, w, eps, quant)
 
-    def mhc_post_pre_norm_fast(f, x, post, comb, fn, base, scale, hc, iters, hc_eps, norm_eps, w, eps):
-        if mhc_cuda.applies(x, fn, base, scale, hc, iters, w, f, post, comb):
-            return mhc_cuda.boundary(x, fn, base, scale, iters, hc_eps, norm_eps, w, eps, f, post, comb)
-        return mhc_triton.mhc_post_pre_norm(f, x, post, comb, fn, base, scale, hc, iters, hc_eps, norm_eps, w, eps)
+    def mhc_post_pre_norm_fast(f, x, post, comb, fn, base, scale, hc, iters, hc_eps, norm_eps, w, eps, quant=False):
+        if mhc_cuda.applies(x, fn, base, scale, hc, iters, w, f, post, comb, quant):
+            return mhc_cuda.boundary(x, fn, base, scale, iters, hc_eps, norm_eps, w, eps, f, post, comb, quant)
+        return mhc_triton.mhc_post_pre_norm(f, x, post, comb, fn, base, scale, hc, iters, hc_eps, norm_eps, w, eps,
+                                            quant)
 
     mhc_pre_norm_fast.__doc__ = mhc_triton.mhc_pre_norm.__doc__
     mhc_post_pre_norm_fast.__doc__ = mhc_triton.mhc_post_pre_norm.__doc__

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from dsv4.kernels import cuda as cuda_kernels
+from dsv4.ops.act_quant import QuantAct
 from dsv4.ops.linear_cuda import PDL, _capability, _index
 
 MAX_T = 8  # tokens per launch (the arrival counters); larger calls are prefill chunks: Triton
@@ -26,14 +27,14 @@ def _f32(*ts) -> bool:
 
 def applies(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, iters: int,
             w: torch.Tensor, f: torch.Tensor | None = None, post: torch.Tensor | None = None,
-            comb: torch.Tensor | None = None) -> bool:
+            comb: torch.Tensor | None = None, quant: bool = False) -> bool:
     """True when the CUDA kernel runs this call: CUDA sm_90+, contiguous 16-byte aligned bf16 streams [B, S, 4, D]
-    with B * S <= 8, D % 64 == 0 and 64 <= D <= 7168; a contiguous aligned fp32 mixer and bf16 norm weight; fp32
-    base / scale (and post / comb), a bf16 sublayer output [B, S, D]; the module built."""
+    with B * S <= 8, D % 64 == 0 (% 128 with quant) and 64 <= D <= 7168; a contiguous aligned fp32 mixer and bf16
+    norm weight; fp32 base / scale (and post / comb), a bf16 sublayer output [B, S, D]; the module built."""
     if not (x.is_cuda and x.dim() == 4 and hc == 4 and x.shape[2] == 4 and x.dtype == torch.bfloat16 and iters >= 1):
         return False
     T, D = x.shape[0] * x.shape[1], x.shape[3]
-    if not (1 <= T <= MAX_T and D % COLS == 0 and COLS <= D <= MAX_D):
+    if not (1 <= T <= MAX_T and D % COLS == 0 and COLS <= D <= MAX_D and not (quant and D % 128)):
         return False
     if not (_f32(fn, base, scale) and tuple(fn.shape) == (24, 4 * D) and base.numel() == 24 and scale.numel() == 3):
         return False
@@ -55,9 +56,9 @@ def applies(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
 
 def boundary(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, hc_eps: float,
              norm_eps: float, w: torch.Tensor, eps: float, f: torch.Tensor | None = None,
-             post: torch.Tensor | None = None, comb: torch.Tensor | None = None):
+             post: torch.Tensor | None = None, comb: torch.Tensor | None = None, quant: bool = False):
     """mhc_pre_norm (f is None) -> (y, post', comb'), or mhc_post_pre_norm -> (streams, y, post', comb'), as the
-    Triton ops return them (see applies())."""
+    Triton ops return them (see applies()); with quant, y comes as a QuantAct whose codes the same launch wrote."""
     from dsv4.ops.triton_util import arrival_counters
 
     mod = cuda_kernels.load()
@@ -71,13 +72,17 @@ def boundary(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch
     part = torch.empty(T, nch, 24, dtype=torch.float32, device=dev)
     sq = torch.empty(T, nch, dtype=torch.float32, device=dev)
     out = None
+    yq = torch.empty(T, D, dtype=torch.float8_e4m3fn, device=dev) if quant else None
+    yqs = torch.empty(T, D // 128, dtype=torch.float32, device=dev) if quant else None
     if f is not None:
         f, post, comb = f.contiguous(), post.contiguous(), comb.contiguous()
         out = torch.empty_like(x)
     mod.mhc_boundary(f, x.view(T, hc, D), post, comb, fn.contiguous(), base.contiguous(), scale.contiguous(),
                      w.contiguous(), None if out is None else out.view(T, hc, D), y, post_out, comb_out, part, sq,
                      arrival_counters(dev, "mhc boundary", MAX_T), int(iters), float(hc_eps), float(norm_eps),
-                     float(eps), PDL)
+                     float(eps), PDL, yq, yqs)
+    if quant:
+        y = QuantAct(y, yq, yqs)
     if out is None:
         return y, post_out, comb_out
     return out, y, post_out, comb_out

@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.ops.triton_util import cast, round_to
+from dsv4.ops.act_quant import QuantAct
+from dsv4.ops.triton_util import cast, round_to, store_act_quant
 
 # measured at Flash shapes, one token, in CUDA graphs with the mixer streamed from HBM (H200, 2026-11-23): the
 # pre's partials over 128-element slices of K (128 programs: 8.4 us for mhc_pre_norm against 9.3 with 512), the
@@ -111,12 +112,12 @@ def _pre_finish(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, y_ptr, post_ptr, c
 
 
 @triton.jit
-def _pre_norm_finish(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, w_ptr, y_ptr, post_ptr, comb_ptr, D, K, NCH,
-                     iters, hc_eps, norm_eps, eps, HC: tl.constexpr, MIX_P: tl.constexpr, NCH_P: tl.constexpr,
-                     BLOCK: tl.constexpr):
+def _pre_norm_finish(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, w_ptr, y_ptr, q_ptr, s_ptr, post_ptr, comb_ptr, D,
+                     K, NCH, iters, hc_eps, norm_eps, eps, HC: tl.constexpr, MIX_P: tl.constexpr, NCH_P: tl.constexpr,
+                     BLOCK: tl.constexpr, QUANT: tl.constexpr):
     # two programs per token, side by side: (t, 0) post and the Sinkhorn comb (a serial chain of 2 x iters small
     # reductions); (t, 1) y = sum_j pre_j X_j over the whole row, rounded to the streams' dtype (the y mhc_pre
-    # returns), then the RMSNorm of that y (rmsnorm's statistic and scaling)
+    # returns), then the RMSNorm of that y (rmsnorm's statistic and scaling), and with QUANT its act_quant
     t = tl.program_id(0)
     if tl.program_id(1) == 0:
         _post_comb(part_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, t, K, NCH, iters, hc_eps, norm_eps,
@@ -130,7 +131,10 @@ def _pre_norm_finish(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, w_ptr, y_ptr,
     y = round_to(tl.sum(pre[:, None] * x, axis=0), y_ptr.dtype.element_ty)
     y = y * (1.0 / tl.sqrt(tl.sum(y * y, axis=0) / D + eps))
     w = tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)
-    tl.store(y_ptr + t * D + d, cast(w * y, y_ptr.dtype.element_ty), mask=dm)
+    yo = round_to(w * y, y_ptr.dtype.element_ty)
+    tl.store(y_ptr + t * D + d, yo.to(y_ptr.dtype.element_ty), mask=dm)
+    if QUANT:
+        store_act_quant(yo, q_ptr, s_ptr, t, D, BLOCK)
 
 
 @triton.jit
@@ -228,38 +232,44 @@ def mhc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
     return y, post, comb
 
 
-def _finish_norm(x, part, sq, nch, mix_p, base, scale, w, hc, iters, hc_eps, norm_eps, eps):
+def _finish_norm(x, part, sq, nch, mix_p, base, scale, w, hc, iters, hc_eps, norm_eps, eps, quant):
     B, S, _, D = x.shape
     if tuple(w.shape) != (D,):
         raise ValueError(f"mhc norm: weight {tuple(w.shape)} does not match D={D}")
+    if quant and D % 128:
+        raise ValueError(f"mhc norm: quant needs D={D} a multiple of 128")
     y = torch.empty(B, S, D, dtype=x.dtype, device=x.device)
+    q = torch.empty(B * S, D, dtype=torch.float8_e4m3fn, device=x.device) if quant else y
+    qs = torch.empty(B * S, D // 128, dtype=torch.float32, device=x.device) if quant else y
     post = torch.empty(B, S, hc, dtype=torch.float32, device=x.device)
     comb = torch.empty(B, S, hc, hc, dtype=torch.float32, device=x.device)
     opts = {"num_warps": FINISH_WARPS} if x.is_cuda else {}
     _pre_norm_finish[(B * S, 2)](
-        x, part, sq, base.float().contiguous(), scale.float().contiguous(), w.contiguous(), y, post, comb, D, hc * D,
-        nch, iters, hc_eps, norm_eps, eps, HC=hc, MIX_P=mix_p, NCH_P=triton.next_power_of_2(nch),
-        BLOCK=triton.next_power_of_2(D), **opts)
-    return y, post, comb
+        x, part, sq, base.float().contiguous(), scale.float().contiguous(), w.contiguous(), y, q, qs, post, comb, D,
+        hc * D, nch, iters, hc_eps, norm_eps, eps, HC=hc, MIX_P=mix_p, NCH_P=triton.next_power_of_2(nch),
+        BLOCK=triton.next_power_of_2(D), QUANT=quant, **opts)
+    return (QuantAct(y, q, qs) if quant else y), post, comb
 
 
 def mhc_pre_norm(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, iters: int,
-                 hc_eps: float, norm_eps: float, w: torch.Tensor, eps: float):
-    """mhc_pre + RMSNorm(w, eps) of y -> (normed y [B,S,D] in x.dtype, post, comb): two launches."""
+                 hc_eps: float, norm_eps: float, w: torch.Tensor, eps: float, quant: bool = False):
+    """mhc_pre + RMSNorm(w, eps) of y -> (normed y [B,S,D] in x.dtype, post, comb): two launches. With quant, y comes
+    as a QuantAct (its act_quant written by the same launch)."""
     mix = (2 + hc) * hc
     _check(x, fn, hc, mix, "mhc_pre_norm")
     if iters < 1:
         raise ValueError(f"mhc_pre_norm: iters must be >= 1, got {iters}")
     x = x.contiguous()
     _, _, nch, mix_p, part, sq = _partials(x, fn.contiguous(), mix)
-    return _finish_norm(x, part, sq, nch, mix_p, base, scale, w, hc, iters, hc_eps, norm_eps, eps)
+    return _finish_norm(x, part, sq, nch, mix_p, base, scale, w, hc, iters, hc_eps, norm_eps, eps, quant)
 
 
 def mhc_post_pre_norm(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
                       base: torch.Tensor, scale: torch.Tensor, hc: int, iters: int, hc_eps: float, norm_eps: float,
-                      w: torch.Tensor, eps: float):
+                      w: torch.Tensor, eps: float, quant: bool = False):
     """One boundary: mhc_post, then mhc_pre_norm of the new streams -> (streams, normed y, post', comb'). Two
-    launches: the post with the next pre's partial mixes (from the stored streams), then the finish + RMSNorm."""
+    launches: the post with the next pre's partial mixes (from the stored streams), then the finish + RMSNorm (and
+    with quant, y's act_quant: y comes as a QuantAct)."""
     mix = (2 + hc) * hc
     _check(x, fn, hc, mix, "mhc_post_pre_norm")
     if f.shape != x.shape[:2] + x.shape[3:]:
@@ -276,7 +286,7 @@ def mhc_post_pre_norm(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb
     sq = torch.empty(B * S, nch, dtype=torch.float32, device=x.device)
     _post_partial[(B * S, nch)](f, x, post.float().contiguous(), comb.float().contiguous(), out, fn.contiguous(), part,
                                 sq, D, hc * D, nch, HC=hc, MIX=mix, MIX_P=mix_p, BLOCK=block)
-    return (out, *_finish_norm(out, part, sq, nch, mix_p, base, scale, w, hc, iters, hc_eps, norm_eps, eps))
+    return (out, *_finish_norm(out, part, sq, nch, mix_p, base, scale, w, hc, iters, hc_eps, norm_eps, eps, quant))
 
 
 def mhc_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,

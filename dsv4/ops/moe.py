@@ -8,6 +8,8 @@ expert: gate = w1(x), up = w3(x), each rounded to the activation dtype (DeepSeek
 up clamped to [-limit, limit], gate to <= limit; h = silu(gate) * up in fp32, times the routing weight
 BEFORE w2 (routed only); w2's output rounded to the activation dtype; routed outputs summed in fp32 in
 ascending expert order, then the shared expert's; the sum cast to the activation dtype.
+x may come as a `QuantAct` (x with its act_quant, made by the op that wrote it): its codes are x's own quantization,
+so the references (and the Triton kernels) read x; the CUDA decode kernels read the codes.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dsv4.ops.act_quant import QuantAct
 from dsv4.ops.linear import PreparedLinear, linear_ref
 from dsv4.ops.mhc import mhc_post_ref
 
@@ -53,10 +56,16 @@ def expert_ref(x: torch.Tensor, w1: PreparedLinear, w2: PreparedLinear, w3: Prep
     return linear_ref(h.to(x.dtype), w2, act_quant, x.dtype).float()
 
 
+def _plain(x: torch.Tensor | QuantAct) -> torch.Tensor:
+    return x.x if isinstance(x, QuantAct) else x
+
+
 def moe_experts_ref(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w1: PreparedLinear,
                     w2: PreparedLinear, w3: PreparedLinear, shared: tuple | None, limit: float,
                     act_quant: bool) -> torch.Tensor:
-    """x [T,D], weights/idx [T,k], stacked w1/w2/w3 [E,...], shared (w1, w2, w3) -> [T,D] in x.dtype."""
+    """x [T,D] (or a QuantAct of it), weights/idx [T,k], stacked w1/w2/w3 [E,...], shared (w1, w2, w3) -> [T,D]
+    in x.dtype."""
+    x = _plain(x)
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     if x.shape[0] == 1:  # decode: experts gathered by device index, no host sync (graph-safe)
         order = idx[0].sort().indices
@@ -80,7 +89,7 @@ def moe_post_ref(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w1: 
                  post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """The FFN's output expanded back into the residual streams: mhc_post_ref(moe_experts_ref(x, ...), streams, post,
     comb). x [T, D] are the tokens of streams [B, S, hc, D] (T = B S) -> new streams [B, S, hc, D]."""
-    f = moe_experts_ref(x, weights, idx, w1, w2, w3, shared, limit, act_quant)
+    f = moe_experts_ref(_plain(x), weights, idx, w1, w2, w3, shared, limit, act_quant)
     return mhc_post_ref(f.view(*streams.shape[:2], f.shape[-1]), streams, post, comb)
 
 
@@ -104,7 +113,7 @@ def make_fast_moe_experts(moe_triton):
     def moe_experts_fast(x, weights, idx, w1, w2, w3, shared, limit, act_quant):
         if moe_cuda.applies(x, weights, idx, w1, w2, w3, shared, act_quant):
             return moe_cuda.moe_decode(x, weights, idx, w1, w2, w3, shared, limit)
-        return moe_triton.moe_experts(x, weights, idx, w1, w2, w3, shared, limit, act_quant)
+        return moe_triton.moe_experts(_plain(x), weights, idx, w1, w2, w3, shared, limit, act_quant)
 
     moe_experts_fast.__doc__ = moe_triton.moe_experts.__doc__
     return moe_experts_fast

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from dsv4.kernels import cuda as cuda_kernels
+from dsv4.ops.act_quant import QuantAct
 from dsv4.ops.linear import PreparedLinear
 from dsv4.ops.linear_cuda import PDL, _capability
 
@@ -37,11 +38,15 @@ def _fp8(w: PreparedLinear, n: int, k: int) -> bool:
             and w.scale is not None and w.scale.is_contiguous())
 
 
-def applies(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w1: PreparedLinear, w2: PreparedLinear,
-            w3: PreparedLinear, shared: tuple | None, act_quant: bool) -> bool:
+def applies(x: torch.Tensor | QuantAct, weights: torch.Tensor, idx: torch.Tensor, w1: PreparedLinear,
+            w2: PreparedLinear, w3: PreparedLinear, shared: tuple | None, act_quant: bool) -> bool:
     """True when the CUDA kernels run this call: CUDA sm_90+, one bf16 token, 1..6 routed MXFP4 experts with
     activation quantization, D a multiple of 2048 (<= 8192), inter a multiple of 512 (<= 2048), an FP8 shared expert
-    or none, the module built."""
+    or none, the module built. x may come with its quantization (a QuantAct), which the kernels then read."""
+    if isinstance(x, QuantAct):
+        if not _codes_fit(x):
+            return False
+        x = x.x
     if not (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.bfloat16 and act_quant):
         return False
     if not (idx.dim() == 2 and idx.shape[0] == 1 and 1 <= idx.shape[1] <= MAX_K and weights.shape == idx.shape
@@ -60,24 +65,33 @@ def applies(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w1: Prepa
     return cuda_kernels.load() is not None
 
 
-def post_applies(x: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> bool:
+def _codes_fit(x: QuantAct) -> bool:
+    return (x.q.dtype == torch.float8_e4m3fn and x.q.is_contiguous() and x.q.data_ptr() % 16 == 0
+            and x.q.numel() == x.x.numel() and x.s.dtype == torch.float32 and x.s.is_contiguous()
+            and x.s.numel() * 128 == x.x.numel() and x.q.device == x.x.device and x.s.device == x.x.device)
+
+
+def post_applies(x: torch.Tensor | QuantAct, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> bool:
     """True when moe_decode can also run the FFN's mHC post (moe_post): bf16 streams of the one token [1, 1, 4, D]
     (x [1, D]), fp32 post [.., 4] and comb [.., 4, 4], all on x's device."""
     D = x.shape[-1]
+    x = x.x if isinstance(x, QuantAct) else x
     return (streams.dtype == torch.bfloat16 and tuple(streams.shape) == (1, 1, 4, D) and post.dtype == torch.float32
             and post.numel() == 4 and comb.dtype == torch.float32 and comb.numel() == 16
             and all(t.device == x.device for t in (streams, post, comb)))
 
 
-def moe_decode(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w1: PreparedLinear, w2: PreparedLinear,
-               w3: PreparedLinear, shared: tuple | None, limit: float,
+def moe_decode(x: torch.Tensor | QuantAct, weights: torch.Tensor, idx: torch.Tensor, w1: PreparedLinear,
+               w2: PreparedLinear, w3: PreparedLinear, shared: tuple | None, limit: float,
                post: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """y [1, D] bf16 = the routed experts' weighted sum plus the shared expert's (see applies()); with post =
     (streams, post, comb) (see post_applies()) the new streams [1, 1, 4, D] = mhc_post(y, streams, post, comb),
-    computed in the down kernel's epilogue."""
+    computed in the down kernel's epilogue. Given a QuantAct, the up kernel copies its codes instead of quantizing x
+    (the same codes: act_quant's)."""
     mod = cuda_kernels.load()
     k, N = idx.shape[1], w1.n
-    x = x.contiguous()
+    codes = (x.q, x.s) if isinstance(x, QuantAct) else (None, None)
+    x = (x.x if isinstance(x, QuantAct) else x).contiguous()
     h = torch.empty((k + 1, N), dtype=torch.bfloat16, device=x.device)  # stream-ordered scratch: graph-safe
     y = torch.empty_like(x)
     s = (None,) * 6 if shared is None else (shared[0].weight, shared[0].scale, shared[2].weight, shared[2].scale,
@@ -88,7 +102,7 @@ def moe_decode(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w1: Pr
         out = torch.empty_like(streams)
         fused = (streams, p, c, out)
     mod.moe_decode(x, weights.contiguous().float(), idx.contiguous().long(), w1.weight, w1.scale, w3.weight,
-                   w3.scale, w2.weight, w2.scale, *s, h, y, float(limit), PDL, *fused)
+                   w3.scale, w2.weight, w2.scale, *s, h, y, float(limit), PDL, *fused, *codes)
     return y if post is None else fused[3]
 
 

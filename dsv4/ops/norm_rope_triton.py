@@ -24,7 +24,8 @@ import triton.language as tl
 from dsv4.ops.act_quant import QuantAct
 from dsv4.ops.kv_pack import is_packed, kv_row_bytes
 from dsv4.ops.rope import check_pack
-from dsv4.ops.triton_util import cast, e4m3_round, rope_pairs, round_to, store_packed_kv, ue8m0_scale
+from dsv4.ops.triton_util import (cast, e4m3_round, rope_pairs, round_to, store_act_quant, store_packed_kv,
+                                  ue8m0_scale)
 
 try:  # programmatic dependent launch from Triton (griddepcontrol; DSV4_PDL=0 turns it off, as for the CUDA kernels)
     from triton.backends.nvidia.compiler import CUDAOptions
@@ -58,18 +59,8 @@ def _rmsnorm_kernel(x_ptr, w_ptr, o_ptr, q_ptr, s_ptr, D, eps, BLOCK: tl.constex
     w = tl.load(w_ptr + d, mask=m, other=0.0).to(tl.float32)
     y = cast(w * x, o_ptr.dtype.element_ty)
     tl.store(o_ptr + r * D + d, y, mask=m)
-    if QUANT:  # the rounded row's FP8 1x128 quantization (act_quant_ref): D % 128 == 0, padding blocks not stored
-        NB: tl.constexpr = BLOCK // 128
-        v = tl.reshape(y.to(tl.float32), (NB, 128))
-        sc, inv = ue8m0_scale(tl.max(tl.abs(v), axis=1))
-        u = tl.clamp(v * inv[:, None], -448.0, 448.0)  # v * (1/s) = v / s exactly (a power of two)
-        q = e4m3_round(u)
-        q = tl.where(q == 0.0, u * 0.0, q)  # a negative value that rounds to zero is -0, as the cast gives
-        b = tl.arange(0, NB)
-        bm = b < D // 128
-        j = b[:, None] * 128 + tl.arange(0, 128)[None, :]
-        tl.store(q_ptr + r * D + j, q.to(q_ptr.dtype.element_ty), mask=bm[:, None])
-        tl.store(s_ptr + r * (D // 128) + b, sc, mask=bm)
+    if QUANT:  # the rounded row's FP8 1x128 quantization (act_quant_ref): D % 128 == 0
+        store_act_quant(y.to(tl.float32), q_ptr, s_ptr, r, D, BLOCK)
 
 
 @triton.jit

@@ -69,6 +69,25 @@ def e4m3_round(v):
 
 
 @triton.jit
+def store_act_quant(y, q_ptr, s_ptr, row, D, BLOCK: tl.constexpr):
+    """The FP8 1x128 quantization of one row y (fp32 [BLOCK], its values already rounded to the activation dtype,
+    zeros past D; D % 128 == 0): act_quant_ref's e4m3 codes into q_ptr[row * D + ..] and power-of-two scales into
+    s_ptr[row * D / 128 + ..]; blocks past D are not stored. A negative value that rounds to zero is stored as -0, as
+    the reference's cast gives it."""
+    NB: tl.constexpr = BLOCK // 128
+    v = tl.reshape(y, (NB, 128))
+    sc, inv = ue8m0_scale(tl.max(tl.abs(v), axis=1))
+    u = tl.clamp(v * inv[:, None], -448.0, 448.0)  # v * (1/s) = v / s exactly (a power of two)
+    q = e4m3_round(u)
+    q = tl.where(q == 0.0, u * 0.0, q)
+    b = tl.arange(0, NB)
+    bm = b < D // 128
+    j = b[:, None] * 128 + tl.arange(0, 128)[None, :]
+    tl.store(q_ptr + row * D + j, q.to(q_ptr.dtype.element_ty), mask=bm[:, None])
+    tl.store(s_ptr + row * (D // 128) + b, sc, mask=bm)
+
+
+@triton.jit
 def e4m3_bits(q):
     """q (fp32 on the e4m3 grid, |q| <= 448) -> its e4m3 byte as int32 (sign bit 0x80, so -0.0 -> 0x80)."""
     b = q.to(tl.int32, bitcast=True)

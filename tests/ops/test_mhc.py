@@ -69,6 +69,29 @@ def _check_fused(B, S, D, dev, dtype=torch.bfloat16):
         assert_close_rel(a, b, name)
 
 
+def _check_quant(B, S, D, dev):
+    # quant=True: the same y, streams, post and comb bit for bit, and y's codes act_quant_ref's of that y bit for bit
+    from dsv4.ops.act_quant import QuantAct, act_quant_ref
+
+    fast = _fast()
+    x, fn, base, scale = _inputs(B, S, D, dev, seed=5 * D + S)
+    g = torch.Generator().manual_seed(D + 1)
+    w = (1 + 0.3 * torch.randn(D, generator=g)).to(torch.bfloat16).to(dev)
+    f = (torch.randn(B, S, D, generator=g) * 4).to(torch.bfloat16).to(dev)
+    args = (fn, base, scale, 4, 20, 1e-6, 1e-6, w, 1e-6)
+    _, post, comb = fast.mhc_pre_norm(x, *args)
+    for plain, quant in ((fast.mhc_pre_norm(x, *args), fast.mhc_pre_norm(x, *args, quant=True)),
+                         (fast.mhc_post_pre_norm(f, x, post, comb, *args),
+                          fast.mhc_post_pre_norm(f, x, post, comb, *args, quant=True))):
+        y = quant[-3]
+        assert isinstance(y, QuantAct)
+        for a, b in zip(plain[:-3] + (plain[-3], *plain[-2:]), quant[:-3] + (y.x, *quant[-2:])):
+            assert torch.equal(a, b)
+        q, s = act_quant_ref(y.x, 128)
+        assert torch.equal(y.q.view(torch.uint8), q.reshape(-1, D).view(torch.uint8))  # -0 codes included
+        assert torch.equal(y.s, s.reshape(-1, D // 128))
+
+
 def _check_head(B, S, D, dev):
     from dsv4.ops.mhc import mhc_head_ref
 
@@ -97,6 +120,17 @@ def test_interpreted_fused_boundary(B, S, D):
     _check_fused(B, S, D, "cpu", torch.float32)
 
 
+@pytest.mark.skipif(CUDA, reason="the interpreted tier runs where there is no GPU")
+@pytest.mark.parametrize("B,S,D", [(1, 1, 128), (2, 1, 384)])
+def test_interpreted_boundary_with_codes(B, S, D):
+    # D = 384: three 128-blocks in a row padded to 512 (the padding block is not stored)
+    _check_quant(B, S, D, "cpu")
+    with pytest.raises(ValueError, match="multiple of 128"):
+        x, fn, base, scale = _inputs(1, 1, 64, "cpu")
+        _fast().mhc_pre_norm(x, fn, base, scale, 4, 20, 1e-6, 1e-6, torch.ones(64, dtype=torch.bfloat16), 1e-6,
+                             quant=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("S", [1, 4, 128, 37])
@@ -104,6 +138,7 @@ def test_flash_shapes(S):
     _check_pre(1, S, 4096, "cuda")
     _check_head(1, S, 4096, "cuda")
     _check_fused(1, S, 4096, "cuda")
+    _check_quant(1, S, 4096, "cuda")
 
 
 @pytest.mark.gpu

@@ -72,6 +72,32 @@ def test_pre_norm_against_reference(B, S, D):
     _check_pre_norm(mc.boundary(x, fn, base, scale, ITERS, HC_EPS, NORM_EPS, w, EPS), x, fn, base, scale, w)
 
 
+# a row of 3 blocks (D 384: the last warp's second half-warp past the row), Flash, Pro (4 vectors per thread), tokens
+@pytest.mark.parametrize("B,S,D", [(1, 1, 4096), (1, 1, 7168), (2, 1, 384), (1, 4, 4096), (8, 1, 1024)])
+def test_codes_of_y(B, S, D):
+    """quant=True: the same streams, y, post and comb bit for bit, and y's codes and scales act_quant_ref's of that
+    y bit for bit (as the MoE's up kernel would make them); a D that is no multiple of 128 stays off this path."""
+    from dsv4.ops.act_quant import QuantAct, act_quant_ref
+
+    mc, _ = _mods()
+    x, fn, base, scale, w, f, post, comb = _case(B, S, D, seed=3 * D + S)
+    f = f * torch.exp2(torch.arange(D // 128, device="cuda").repeat_interleave(128) % 9 - 4.0).to(torch.bfloat16)
+    hc = (ITERS, HC_EPS, NORM_EPS, w, EPS)
+    for extra in ((), (f, post, comb)):
+        assert mc.applies(x, fn, base, scale, 4, ITERS, w, *extra, quant=True)
+        plain = mc.boundary(x, fn, base, scale, *hc, *extra)
+        got = mc.boundary(x, fn, base, scale, *hc, *extra, quant=True)
+        y = got[-3]
+        assert isinstance(y, QuantAct)
+        for a, b in zip(plain, got[:-3] + (y.x,) + got[-2:]):
+            assert_bitwise_equal(b, a, "quant=True vs quant=False")
+        q, sc = act_quant_ref(y.x, 128)
+        assert_bitwise_equal(y.q.view(torch.uint8), q.reshape(B * S, D).view(torch.uint8), "codes")
+        assert_bitwise_equal(y.s, sc.reshape(B * S, D // 128), "scales")
+    x, fn, base, scale, w, *_ = _case(1, 1, 192, seed=1)
+    assert mc.applies(x, fn, base, scale, 4, ITERS, w) and not mc.applies(x, fn, base, scale, 4, ITERS, w, quant=True)
+
+
 def test_deterministic_counters_and_graph():
     mc, _ = _mods()
     from dsv4.ops.triton_util import arrival_counters
@@ -125,7 +151,7 @@ def test_binding_refuses_bad_calls():
     part, sq = torch.empty(T, D // 64, 24, device="cuda"), torch.empty(T, D // 64, device="cuda")
     cnt = torch.zeros(8, dtype=torch.int32, device="cuda")
     xs = x.view(T, 4, D)
-    tail = (0.0, 1e-6, 1e-6, False)
+    tail = (0.0, 1e-6, 1e-6, False, None, None)
     with pytest.raises(RuntimeError, match="come together"):
         mod.mhc_boundary(f.view(T, D), xs, None, comb, fn, base, scale, w, None, y, po, co, part, sq, cnt, 20, *tail)
     with pytest.raises(RuntimeError, match=r"D a multiple of 64 up to 7168 \(got T = 1, D = 100\)"):
@@ -135,3 +161,14 @@ def test_binding_refuses_bad_calls():
         mod.mhc_boundary(None, xs, None, None, fn.double(), base, scale, w, None, y, po, co, part, sq, cnt, 20, *tail)
     with pytest.raises(RuntimeError, match="iters must be"):
         mod.mhc_boundary(None, xs, None, None, fn, base, scale, w, None, y, po, co, part, sq, cnt, 0, *tail)
+    yq = torch.empty(T, D, dtype=torch.float8_e4m3fn, device="cuda")
+    yqs = torch.empty(T, D // 128, device="cuda")
+    with pytest.raises(RuntimeError, match="yq and yqs come together"):
+        mod.mhc_boundary(None, xs, None, None, fn, base, scale, w, None, y, po, co, part, sq, cnt, 20, *tail[:4], yq,
+                         None)
+    with pytest.raises(RuntimeError, match="yq must be"):
+        mod.mhc_boundary(None, xs, None, None, fn, base, scale, w, None, y, po, co, part, sq, cnt, 20, *tail[:4],
+                         yq.view(torch.uint8), yqs)
+    with pytest.raises(RuntimeError, match="yqs must be"):
+        mod.mhc_boundary(None, xs, None, None, fn, base, scale, w, None, y, po, co, part, sq, cnt, 20, *tail[:4], yq,
+                         yqs[:, 1:])

@@ -160,6 +160,48 @@ def test_moe_post_in_the_down_kernel(flash, shared):
     assert not mc.post_applies(x, streams, post[..., :3], comb)
 
 
+@pytest.mark.parametrize("shared", [True, False])
+def test_codes_given_equal_codes_made(flash, shared):
+    """x with its quantization (a QuantAct, as the mHC boundary hands it over): the up kernel copies the codes instead
+    of quantizing x, and the output (y, and the fused post's streams) keeps the same bits; codes of another x are
+    read (the output follows them), and codes the kernels cannot take leave the call to the plain path."""
+    from dsv4.ops.act_quant import QuantAct, quant_act_ref
+
+    x, wts, idx, w1, w2, w3, sh = flash
+    sh = sh if shared else None
+    mc = _mc()
+    xa = quant_act_ref(x)
+    assert mc.applies(xa, wts, idx, w1, w2, w3, sh, True)
+    assert_bitwise_equal(mc.moe_decode(xa, wts, idx, w1, w2, w3, sh, 10.0),
+                         mc.moe_decode(x, wts, idx, w1, w2, w3, sh, 10.0), "codes given vs made in the kernel")
+    streams, post, comb = _streams(4096, seed=7)
+    assert mc.post_applies(xa, streams, post, comb)
+    assert_bitwise_equal(mc.moe_decode(xa, wts, idx, w1, w2, w3, sh, 10.0, (streams, post, comb)),
+                         mc.moe_decode(x, wts, idx, w1, w2, w3, sh, 10.0, (streams, post, comb)), "fused post, codes")
+    # the codes are what the up kernel reads: another x's codes give that x's experts output
+    g = torch.Generator(device="cuda").manual_seed(11)
+    x2 = (torch.randn(1, 4096, generator=g, device="cuda") * 3).to(torch.bfloat16)
+    assert_bitwise_equal(mc.moe_decode(QuantAct(x, *quant_act_ref(x2)[1:]), wts, idx, w1, w2, w3, sh, 10.0),
+                         mc.moe_decode(x2, wts, idx, w1, w2, w3, sh, 10.0), "another x's codes")
+    assert not mc.applies(QuantAct(x, xa.q[:, 1:], xa.s), wts, idx, w1, w2, w3, sh, True)
+    assert not mc.applies(QuantAct(x, xa.q, xa.s.double()), wts, idx, w1, w2, w3, sh, True)
+    # the binding's own refusals
+    from dsv4.kernels import cuda as cuda_kernels
+
+    mod = cuda_kernels.load()
+    h = torch.empty(7, 2048, dtype=torch.bfloat16, device="cuda")
+    s6 = (None,) * 6 if sh is None else (sh[0].weight, sh[0].scale, sh[2].weight, sh[2].scale, sh[1].weight,
+                                         sh[1].scale)
+    head = (x, wts, idx, w1.weight, w1.scale, w3.weight, w3.scale, w2.weight, w2.scale, *s6, h, torch.empty_like(x),
+            10.0, False, None, None, None, None)
+    with pytest.raises(RuntimeError, match="xq and xqs come together"):
+        mod.moe_decode(*head, xa.q, None)
+    with pytest.raises(RuntimeError, match="xq must be"):
+        mod.moe_decode(*head, xa.q.view(torch.uint8), xa.s)
+    with pytest.raises(RuntimeError, match="xqs must be"):
+        mod.moe_decode(*head, xa.q, xa.s[:, 1:])
+
+
 def test_moe_post_graph_replay_equals_eager(flash):
     x, wts, idx, w1, w2, w3, sh = flash
     streams, post, comb = _streams(4096, seed=6)

@@ -111,7 +111,8 @@ void moe_decode(const at::Tensor& x, const at::Tensor& wts, const at::Tensor& id
                 const c10::optional<at::Tensor>& v3, const c10::optional<at::Tensor>& v3s,
                 const c10::optional<at::Tensor>& v2, const c10::optional<at::Tensor>& v2s, at::Tensor& h, at::Tensor& y,
                 double limit, bool pdl, const c10::optional<at::Tensor>& streams, const c10::optional<at::Tensor>& post,
-                const c10::optional<at::Tensor>& comb, const c10::optional<at::Tensor>& out) {
+                const c10::optional<at::Tensor>& comb, const c10::optional<at::Tensor>& out,
+                const c10::optional<at::Tensor>& xq, const c10::optional<at::Tensor>& xqs) {
   TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) == 1 && x.is_contiguous(),
               "moe_decode: x must be one contiguous bf16 row [1, D]");
   const int64_t D = x.size(1), k = idx.size(1), E = w1.size(0), I = w1.size(1);
@@ -195,6 +196,17 @@ void moe_decode(const at::Tensor& x, const at::Tensor& wts, const at::Tensor& id
     a.post = post->data_ptr<float>();
     a.comb = comb->data_ptr<float>();
     a.out = reinterpret_cast<__nv_bfloat16*>(out->data_ptr());
+  }
+  TORCH_CHECK(xq.has_value() == xqs.has_value(), "moe_decode: xq and xqs come together (x's codes and scales)");
+  if (xq.has_value()) {  // x's act_quant, made by the kernel that wrote x: the up kernel copies it
+    TORCH_CHECK(xq->is_cuda() && xq->device() == x.device() && xq->scalar_type() == at::kFloat8_e4m3fn &&
+                    xq->is_contiguous() && xq->numel() == D && reinterpret_cast<uintptr_t>(xq->data_ptr()) % 16 == 0,
+                "moe_decode: xq must be 16-byte aligned contiguous e4m3 [1, D] on x's device");
+    TORCH_CHECK(xqs->is_cuda() && xqs->device() == x.device() && xqs->scalar_type() == at::kFloat &&
+                    xqs->is_contiguous() && xqs->numel() == D / 128,
+                "moe_decode: xqs must be contiguous fp32 [1, D / 128] on x's device");
+    a.xq = static_cast<const uint8_t*>(xq->data_ptr());
+    a.xqs = xqs->data_ptr<float>();
   }
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaError_t e = dsv4::moe_decode_launch(a, pdl, c10::cuda::getCurrentCUDAStream().stream());
@@ -324,7 +336,8 @@ void mhc_boundary(const c10::optional<at::Tensor>& f, const at::Tensor& x, const
                   const c10::optional<at::Tensor>& comb, const at::Tensor& fn, const at::Tensor& base,
                   const at::Tensor& scale, const at::Tensor& w, const c10::optional<at::Tensor>& out, at::Tensor& y,
                   at::Tensor& post_out, at::Tensor& comb_out, at::Tensor& part, at::Tensor& sq, at::Tensor& counter,
-                  int64_t iters, double hc_eps, double norm_eps, double eps, bool pdl) {
+                  int64_t iters, double hc_eps, double norm_eps, double eps, bool pdl,
+                  const c10::optional<at::Tensor>& yq, const c10::optional<at::Tensor>& yqs) {
   auto bf16c = [](const at::Tensor& t) { return t.is_cuda() && t.scalar_type() == at::kBFloat16 && t.is_contiguous(); };
   auto f32c = [](const at::Tensor& t) { return t.is_cuda() && t.scalar_type() == at::kFloat && t.is_contiguous(); };
   TORCH_CHECK(bf16c(x) && x.dim() == 3 && x.size(1) == 4, "mhc_boundary: x must be contiguous bf16 [T, 4, D]");
@@ -391,6 +404,17 @@ void mhc_boundary(const c10::optional<at::Tensor>& f, const at::Tensor& x, const
   a.hc_eps = static_cast<float>(hc_eps);
   a.norm_eps = static_cast<float>(norm_eps);
   a.eps = static_cast<float>(eps);
+  TORCH_CHECK(yq.has_value() == yqs.has_value(), "mhc_boundary: yq and yqs come together (y's codes and scales)");
+  if (yq.has_value()) {  // y's act_quant (1 x 128 blocks)
+    TORCH_CHECK(D % 128 == 0, "mhc_boundary: y's quantization needs D a multiple of 128");
+    TORCH_CHECK(yq->is_cuda() && yq->device() == x.device() && yq->scalar_type() == at::kFloat8_e4m3fn &&
+                    yq->is_contiguous() && yq->numel() == T * D && reinterpret_cast<uintptr_t>(yq->data_ptr()) % 8 == 0,
+                "mhc_boundary: yq must be 8-byte aligned contiguous e4m3 [T, D] on x's device");
+    TORCH_CHECK(f32c(*yqs) && yqs->device() == x.device() && yqs->numel() == T * (D / 128),
+                "mhc_boundary: yqs must be contiguous fp32 [T, D / 128] on x's device");
+    a.yq = static_cast<uint8_t*>(yq->data_ptr());
+    a.yqs = yqs->data_ptr<float>();
+  }
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaError_t e = dsv4::mhc_boundary_launch(a, pdl, c10::cuda::getCurrentCUDAStream().stream());
   DSV4_CHECK(e == cudaSuccess, "mhc_boundary launch failed: %s", cudaGetErrorString(e));

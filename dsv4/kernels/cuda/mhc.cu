@@ -13,7 +13,9 @@
 // a fixed order (chunk order per lane, then a fixed shuffle tree: same input, same bits), the rsqrt statistic, the
 // sigmoids; then warp 0 runs the Sinkhorn chain (lanes hold the 16 entries of comb: rows and columns are xor-shuffle
 // groups) while warps 1-7 form y = sum_j pre_j X_j over the whole row (rounded to bf16, as mhc_pre returns it) and
-// its RMSNorm. The Sinkhorn divisions are div.full.f32 (2 ulp, as Triton's fp32 division), the rest IEEE.
+// its RMSNorm, and optionally the RMSNorm's FP8 1x128 quantization (act_quant's codes and scales: the decode MoE's
+// up kernel reads them instead of quantizing x in each of its CTAs). The Sinkhorn divisions are div.full.f32 (2 ulp,
+// as Triton's fp32 division), the rest IEEE.
 #include "common.h"
 #include "mhc.h"
 
@@ -217,9 +219,8 @@ __global__ void __launch_bounds__(kThreads, MINB) mhc_boundary_kernel(const MhcA
     for (int w = 1; w < kWarps; ++w) tot += red[w];
     const float rinv = 1.0f / sqrtf(tot / static_cast<float>(D) + a.eps);
 #pragma unroll
-    for (int i = 0; i < RV; ++i) {
-      const int v = r0 + i * kRowThreads;
-      if (v >= nv) break;
+    for (int i = 0; i < RV; ++i) {  // (no early exit: the quantization's shuffles need every lane; rows past the
+      const int v = r0 + i * kRowThreads;  // row hold zeros and store nothing)
       float wv[8], yv[8];
       unpack8(wq[i], wv);
       unpack8(yq[i], yv);
@@ -229,7 +230,23 @@ __global__ void __launch_bounds__(kThreads, MINB) mhc_boundary_kernel(const MhcA
       for (int e = 0; e < 4; ++e) {
         oh[e] = __floats2bfloat162_rn(wv[2 * e] * (yv[2 * e] * rinv), wv[2 * e + 1] * (yv[2 * e + 1] * rinv));
       }
-      reinterpret_cast<uint4*>(a.y + static_cast<long long>(t) * D)[v] = o;
+      if (v < nv) reinterpret_cast<uint4*>(a.y + static_cast<long long>(t) * D)[v] = o;
+      if (a.yq != nullptr) {  // act_quant of the row: a 128-block is 16 vectors, the 16 lanes of a half-warp
+        float ov[8], amax = 0.0f;
+        unpack8(o, ov);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(ov[e]));
+#pragma unroll
+        for (int m = 8; m > 0; m >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+        float sc, inv;
+        dev::ue8m0_scale(amax, sc, inv);
+        const uint2 c = make_uint2(dev::e4m3x2_code(ov[0], ov[1], inv) | dev::e4m3x2_code(ov[2], ov[3], inv) << 16,
+                                   dev::e4m3x2_code(ov[4], ov[5], inv) | dev::e4m3x2_code(ov[6], ov[7], inv) << 16);
+        if (v < nv) {
+          reinterpret_cast<uint2*>(a.yq + static_cast<long long>(t) * D)[v] = c;
+          if ((lane & 15) == 0) a.yqs[static_cast<long long>(t) * (D / 128) + v / 16] = sc;
+        }
+      }
     }
   }
   if (tid == 0) a.counter[t] = 0;  // every CTA of the token has arrived: ready for the next launch

@@ -2,6 +2,7 @@
 #pragma once
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
+#include <cstdint>
 
 namespace dsv4 {
 
@@ -16,6 +17,8 @@ struct MhcArgs {
   const __nv_bfloat16* w;     // [D] the sublayer's RMSNorm weight
   __nv_bfloat16* out;         // [T, 4, D] the new streams (with f)
   __nv_bfloat16* y;           // [T, D] RMSNorm(sum_j pre_j X_j)
+  uint8_t* yq;                // [T, D] y's act_quant e4m3 codes (1 x 128 blocks), or null: none (D % 128 == 0)
+  float* yqs;                 // [T, D / 128] their power-of-two scales
   float* post_out;            // [T, 4]
   float* comb_out;            // [T, 4, 4]
   float* part;                // [T, D / 64, 24] scratch: the CTAs' partial mixes

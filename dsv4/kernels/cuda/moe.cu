@@ -10,7 +10,9 @@
 //   atomics, the same bits on every run. Optionally the FFN's mHC post of those columns follows in the same threads
 //   (moe_post: the new streams, the same FMAs as mhc_post's kernel), so that no launch of its own is needed.
 //
-// Numerics. x (and h) are quantized in the kernel to e4m3 with a power-of-two scale per 128 (DeepSeek's act_quant).
+// Numerics. x (and h) are quantized in the kernel to e4m3 with a power-of-two scale per 128 (DeepSeek's act_quant),
+// or x's codes come with it (a.xq, a.xqs: the FFN's mHC boundary writes them beside x) and the up kernel only widens
+// them to f16 in its shared-memory layout (moe_up_kernel<true>; the same codes, so the same bits).
 // An e2m1 nibble s.EE.m becomes the e4m3 byte s.00EE.m00, whose value is exactly e2m1 * 2^-6 (E = 0 lands on the e4m3
 // subnormal 2^-7), so one m16n8k32-shaped product multiplies 32 weights of one MXFP4 group exactly; its sum is promoted
 // to fp32 with the group's E8M0 scale times the x block scale times 2^6. FP8 weights: one product pair per 64 columns,
@@ -174,6 +176,67 @@ __device__ __forceinline__ void quantize_x(const XRegs& r, int nblk, const WarpS
   __syncwarp();
 }
 
+// x of a warp's K range given as codes (a QuantAct's: act_quant's e4m3 bytes, 4 per lane per block, and the
+// block scales, lane b holding block b's), every load issued at once
+struct CodeRegs {
+  uint32_t v[kMaxXV / 128];
+  float s;
+};
+
+__device__ __forceinline__ void load_codes(const uint8_t* q, const float* qs, int nblk, int lane, CodeRegs& r) {
+#pragma unroll
+  for (int b = 0; b < kMaxXV / 128; ++b) {
+    if (b < nblk) r.v[b] = *reinterpret_cast<const uint32_t*>(q + b * 128 + lane * 4);
+  }
+  r.s = lane < nblk ? qs[lane] : 0.0f;
+}
+
+// -> the warp's shared memory as quantize_x leaves it (the same f16 values of the same codes, the same layout)
+template <bool FP4>
+__device__ __forceinline__ void store_codes(const CodeRegs& r, int nblk, const WarpSmem& s, int lane, int b0 = 0) {
+#pragma unroll
+  for (int b = 0; b < kMaxXV / 128; ++b) {
+    if (b >= nblk) break;
+    const uint32_t c = r.v[b];  // the codes of values 4L .. 4L + 3 (value 4L in the low byte)
+    if constexpr (FP4) {        // evens (4L, 4L + 2) and odds (4L + 1, 4L + 3), as quantize_x places them
+      const uint32_t eo = __byte_perm(c, 0u, 0x3120u);
+      uint16_t* p = s.xh + (b0 + b) * 128 + (lane >> 1) * 8 + (lane & 1) * 2;
+      *reinterpret_cast<uint32_t*>(p) = dev::e4m3_lo_f16x2(eo);
+      *reinterpret_cast<uint32_t*>(p + 4) = dev::e4m3_hi_f16x2(eo);
+    } else {
+      *reinterpret_cast<uint2*>(s.xh + (b0 + b) * 128 + lane * 4) =
+          make_uint2(dev::e4m3_lo_f16x2(c), dev::e4m3_hi_f16x2(c));
+    }
+  }
+  if (lane < nblk) s.xs[b0 + lane] = r.s;
+  __syncwarp();
+}
+
+// x of a warp's blocks (from j.x) on their way into its shared memory: quantized here (XQ false), or the codes the
+// kernel that wrote x made (a.xq) copied; load() issues the loads, store() leaves what quantize_x leaves
+template <bool XQ>
+struct XStage {
+  XRegs xr;
+  __device__ __forceinline__ void load(const MoeArgs&, const Job& j, int nblk, int lane) { load_x(j, nblk, lane, xr); }
+  template <bool FP4>
+  __device__ __forceinline__ void store(int nblk, const WarpSmem& s, int lane, int b0) {
+    quantize_x<FP4>(xr, nblk, s, lane, b0);
+  }
+};
+
+template <>
+struct XStage<true> {
+  CodeRegs cr;
+  __device__ __forceinline__ void load(const MoeArgs& a, const Job& j, int nblk, int lane) {
+    const long long off = j.x - a.x;  // the K range's first column
+    load_codes(a.xq + off, a.xqs + off / 128, nblk, lane, cr);
+  }
+  template <bool FP4>
+  __device__ __forceinline__ void store(int nblk, const WarpSmem& s, int lane, int b0) {
+    store_codes<FP4>(cr, nblk, s, lane, b0);
+  }
+};
+
 // the job's 16 row sums for token 0 -> s.red[warp][0..15]
 template <bool FP4>
 __device__ __forceinline__ void run(const Job& j, const WarpSmem& s, int warp, int lane) {
@@ -240,6 +303,7 @@ __device__ __forceinline__ void run(const Job& j, const WarpSmem& s, int warp, i
   }
 }
 
+template <bool XQ>
 __global__ void __launch_bounds__(kThreads, 3) moe_up_kernel(const MoeArgs a) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -269,7 +333,6 @@ __global__ void __launch_bounds__(kThreads, 3) moe_up_kernel(const MoeArgs a) {
     }
   };
   Job j;
-  XRegs xr;
   j.x = a.x + kq * kw + b0 * 128;
   if (shared) {
     j.w = (mat ? a.v3 : a.v1) + static_cast<long long>(row0) * a.D + kq * kw;
@@ -280,14 +343,16 @@ __global__ void __launch_bounds__(kThreads, 3) moe_up_kernel(const MoeArgs a) {
     prefetch<false>(j, s, lane);
     dev::griddep_wait();
     dev::griddep_launch_dependents();  // after the wait: see moe_down_kernel
-    load_x(j, half, lane, xr);
-    quantize_x<false>(xr, half, sx, lane, b0);
+    XStage<XQ> xs;
+    xs.load(a, j, half, lane);
+    xs.template store<false>(half, sx, lane, b0);
     pair_sync();
     run<false>(j, sx, warp, lane);
   } else {
     dev::griddep_wait();
     dev::griddep_launch_dependents();
-    load_x(j, half, lane, xr);  // in flight with the expert id
+    XStage<XQ> xs;
+    xs.load(a, j, half, lane);  // in flight with the expert id
     const long long e = a.idx[slot];
     const long long r = e * a.I + row0;
     j.w = (mat ? a.w3 : a.w1) + r * (a.D / 2) + kq * kw / 2;
@@ -296,7 +361,7 @@ __global__ void __launch_bounds__(kThreads, 3) moe_up_kernel(const MoeArgs a) {
     j.sc_ld = a.D / 32;
     j.nsteps = kw / 128;
     prefetch<true>(j, s, lane);
-    quantize_x<true>(xr, half, sx, lane, b0);
+    xs.template store<true>(half, sx, lane, b0);
     pair_sync();
     run<true>(j, sx, warp, lane);
   }
@@ -403,7 +468,8 @@ cudaError_t launch(void (*kernel)(MoeArgs), const MoeArgs& a, int grid, int smem
 
 cudaError_t moe_decode_launch(const MoeArgs& a, bool pdl, cudaStream_t stream) {
   const int up = (a.has_shared ? a.I / 16 : 0) + a.k * (a.I / 16);
-  cudaError_t e = launch(moe_up_kernel, a, up, smem_bytes(a.D / 4), pdl, stream);
+  cudaError_t e = launch(a.xq != nullptr ? moe_up_kernel<true> : moe_up_kernel<false>, a, up, smem_bytes(a.D / 4), pdl,
+                         stream);
   if (e != cudaSuccess) return e;
   return launch(moe_down_kernel, a, a.D / 16, smem_bytes(a.I), pdl, stream);
 }

@@ -8,6 +8,10 @@ namespace dsv4 {
 
 struct MoeArgs {
   const __nv_bfloat16* x;  // [D]
+  // x's FP8 1x128 quantization made by the kernel that wrote x (act_quant_ref's codes [D] e4m3, scales [D/128]
+  // fp32), or null: the up kernel quantizes x itself (the same codes)
+  const uint8_t* xq;
+  const float* xqs;
   const int64_t* idx;      // [k] expert ids
   const float* wts;        // [k] routing weights
   // routed experts, stacked: w1 / w3 [E, I, D/2] e2m1 bytes (low nibble = even k), s1 / s3 [E, I, D/32] E8M0 bytes;
