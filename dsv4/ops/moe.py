@@ -89,7 +89,7 @@ def moe_post_ref(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w1: 
                  post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """The FFN's output expanded back into the residual streams: mhc_post_ref(moe_experts_ref(x, ...), streams, post,
     comb). x [T, D] are the tokens of streams [B, S, hc, D] (T = B S) -> new streams [B, S, hc, D]."""
-    f = moe_experts_ref(_plain(x), weights, idx, w1, w2, w3, shared, limit, act_quant)
+    f = moe_experts_ref(x, weights, idx, w1, w2, w3, shared, limit, act_quant)
     return mhc_post_ref(f.view(*streams.shape[:2], f.shape[-1]), streams, post, comb)
 
 
