@@ -45,11 +45,15 @@ __device__ __forceinline__ float div_full(float a, float b) {
   return r;
 }
 
-// sum over the 4 lanes of a Sinkhorn row (xor 1, 2) or column (xor 4, 8)
-template <int A, int B>
+// sum over the 4 lanes of a Sinkhorn row (S = 1: xor 1, 2, 3) or column (S = 4: xor 4, 8, 12), as
+// (v + v^S) + (v^2S + v^3S): the value a two-round shuffle tree (xor S, then 2S) gives every lane, bit for bit (fp32
+// addition commutes), with the three shuffles in flight at once: one shuffle latency per normalisation, not two
+template <int S>
 __device__ __forceinline__ float group_sum(float v) {
-  v += __shfl_xor_sync(0xffffffffu, v, A);
-  return v + __shfl_xor_sync(0xffffffffu, v, B);
+  const float a = __shfl_xor_sync(0xffffffffu, v, S);
+  const float b = __shfl_xor_sync(0xffffffffu, v, 2 * S);
+  const float c = __shfl_xor_sync(0xffffffffu, v, 3 * S);
+  return (v + a) + (b + c);
 }
 
 // MINB = 2: two CTAs per SM (registers capped at 128; at RV = 3 ptxas spills 20 bytes), for grids past one CTA per
@@ -181,11 +185,11 @@ __global__ void __launch_bounds__(kThreads, MINB) mhc_boundary_kernel(const MhcA
     float mx = fmaxf(cc, __shfl_xor_sync(0xffffffffu, cc, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     const float ex = expf(cc - mx);
-    float m = div_full(ex, group_sum<1, 2>(ex)) + a.hc_eps;
-    m = div_full(m, group_sum<4, 8>(m) + a.hc_eps);  // column normalisation first
+    float m = div_full(ex, group_sum<1>(ex)) + a.hc_eps;
+    m = div_full(m, group_sum<4>(m) + a.hc_eps);  // column normalisation first
     for (int it = 1; it < a.iters; ++it) {
-      m = div_full(m, group_sum<1, 2>(m) + a.hc_eps);
-      m = div_full(m, group_sum<4, 8>(m) + a.hc_eps);
+      m = div_full(m, group_sum<1>(m) + a.hc_eps);
+      m = div_full(m, group_sum<4>(m) + a.hc_eps);
     }
     if (lane < HC * HC) a.comb_out[t * HC * HC + lane] = m;
   } else {  // y = sum_j pre_j X_j (bf16), then its RMSNorm
