@@ -46,11 +46,12 @@ using dev::ue8m0_scale;
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kHc = 4;  // mHC streams (the fused post)
-constexpr int NSTEP = 2;                        // 64-byte steps per ring chunk (fp8: one 128-column block)
-constexpr int NBUF = 3;                         // chunks in a warp's cp.async ring: two in flight, one multiplied
-constexpr int kRingU4 = NBUF * NSTEP * 2 * 32;  // 16-byte slots of one warp's ring
-constexpr int kMaxXV = 2048;                    // x values per warp (its K range), at most
-constexpr int kMaxSc = 1024;                    // E8M0 bytes per warp (16 rows x its groups)
+constexpr int NSTEP = 2;                         // 64-byte steps per ring chunk (fp8: one 128-column block)
+constexpr int kStepB = 1024;                     // ring bytes of one step: 16 rows x 64 bytes
+constexpr int NBUF = 3;                          // chunks in a warp's cp.async ring: two in flight, one multiplied
+constexpr int kRingU4 = NBUF * NSTEP * kStepB / 16;  // 16-byte slots of one warp's ring
+constexpr int kMaxXV = 2048;                     // x values per warp (its K range), at most
+constexpr int kMaxSc = 1024;                     // E8M0 bytes per warp (16 rows x its groups)
 
 // dynamic shared memory of a CTA whose warps hold xv x values each (as f16)
 constexpr int smem_bytes(int xv) { return kWarps * (kRingU4 * 16 + 2 * xv + 16 * 4 + kMaxSc + 16 * 4); }
@@ -100,21 +101,39 @@ __device__ __forceinline__ WarpSmem carve(unsigned char* smem, int warp, int xv)
   return s;
 }
 
-// chunk c of the job -> ring slot `slot` (= c % NBUF, kept by the caller; one commit group per chunk, empty past
-// the end)
-__device__ __forceinline__ void issue(const Job& j, const WarpSmem& s, int c, int slot, int lane) {
+// A lane's addresses in one job's weight stream, computed once (not per step): lane (g, t) copies the 16 bytes t of
+// every 64-byte step of rows g and g + 8 into its ring slot g * 4 + ((t + g / 2) & 3) of the step (the rotation
+// spreads the quads' 4-byte reads over all 32 banks, see run), row g + 8 512 bytes further.
+struct Lane {
+  const uint8_t* src;    // row g, the lane's 16 bytes of step 0
+  long long row8;        // 8 weight rows, in bytes
+  unsigned char* slot0;  // its ring slot in step 0 of chunk 0 (row g)
+  int nsteps, nchunk;
+};
+
+__device__ __forceinline__ Lane lane_of(const Job& j, const WarpSmem& s, int lane) {
   const int g = lane >> 2, t = lane & 3;
-  const int nchunk = (j.nsteps + NSTEP - 1) / NSTEP;
-  if (c < nchunk) {
-    const int pos = g * 4 + ((t + (g >> 1)) & 3);
+  Lane l;
+  l.src = j.w + t * 16 + g * j.ld;
+  l.row8 = 8 * j.ld;
+  l.slot0 = reinterpret_cast<unsigned char*>(s.ring) + (g * 4 + ((t + (g >> 1)) & 3)) * 16;
+  l.nsteps = j.nsteps;
+  l.nchunk = (j.nsteps + NSTEP - 1) / NSTEP;
+  return l;
+}
+
+// chunk c of the job -> ring slot `slot` (= c % NBUF, kept by the caller; one commit group per chunk, empty past the
+// end)
+__device__ __forceinline__ void issue(const Lane& l, int c, int slot) {
+  if (c < l.nchunk) {
 #pragma unroll
     for (int st = 0; st < NSTEP; ++st) {
       const int step = c * NSTEP + st;
-      if (step < j.nsteps) {
-        const uint8_t* src = j.w + step * 64 + t * 16;
-        uint4* dst = s.ring + ((slot * NSTEP + st) * 2) * 32 + pos;
-        cp_async16(dst, src + g * j.ld, true);
-        cp_async16(dst + 32, src + (g + 8) * j.ld, true);
+      if (step < l.nsteps) {
+        const uint8_t* src = l.src + step * 64;
+        unsigned char* dst = l.slot0 + (slot * NSTEP + st) * kStepB;
+        cp_async16(dst, src, true);
+        cp_async16(dst + 512, src + l.row8, true);
       }
     }
   }
@@ -123,7 +142,7 @@ __device__ __forceinline__ void issue(const Job& j, const WarpSmem& s, int c, in
 
 // FP4 scale bytes (in the first chunk's commit group) and the first NBUF - 1 chunks
 template <bool FP4>
-__device__ __forceinline__ void prefetch(const Job& j, const WarpSmem& s, int lane) {
+__device__ __forceinline__ void prefetch(const Job& j, const Lane& l, const WarpSmem& s, int lane) {
   if constexpr (FP4) {
     const int ng = j.nsteps * 4;  // groups of 32 in the K range (a multiple of 16)
     const int per_row = ng / 16;
@@ -133,7 +152,7 @@ __device__ __forceinline__ void prefetch(const Job& j, const WarpSmem& s, int la
     }
   }
 #pragma unroll
-  for (int c = 0; c < NBUF - 1; ++c) issue(j, s, c, c, lane);
+  for (int c = 0; c < NBUF - 1; ++c) issue(l, c, c);
 }
 
 // x of a warp's K range (<= 2048 values: 16 blocks of 128), 4 values per lane per block, every load issued at once
@@ -237,35 +256,45 @@ struct XStage<true> {
   }
 };
 
-// the job's 16 row sums for token 0 -> s.red[warp][0..15]
+// the job's 16 row sums for token 0 -> s.red[warp][0..15]. Every address a lane reads is its base plus a constant or
+// a per-chunk offset (nothing recomputed per group). x is read by every lane: the MMA's column g is token 0's x in
+// every column, and only column 0 (lanes t == 0) is kept.
 template <bool FP4>
-__device__ __forceinline__ void run(const Job& j, const WarpSmem& s, int warp, int lane) {
+__device__ __forceinline__ void run(const Job& j, const Lane& l, const WarpSmem& s, int warp, int lane) {
   const int g = lane >> 2, t = lane & 3;
-  const int nchunk = (j.nsteps + NSTEP - 1) / NSTEP;
   float acc0 = 0.0f, acc1 = 0.0f;  // rows g, g + 8 (token 0 is the MMA column 0: lanes t == 0 hold it)
-  int slot = 0;  // c % NBUF
-  for (int c = 0; c < nchunk; ++c) {
-    __syncwarp();  // the quad is done reading the slot about to be refilled
-    issue(j, s, c + NBUF - 1, slot == 0 ? NBUF - 1 : slot - 1, lane);
-    cp_async_wait<NBUF - 1>();
-    __syncwarp();  // every lane's copies of chunk c (and the scales) visible to its quad
-    if constexpr (FP4) {
-      const int ng = j.nsteps * 4;
+  int slot = 0;                    // c % NBUF
+  if constexpr (FP4) {
+    // word t of group q of row g in a step: slot g * 4 + ((q + g / 2) & 3) (the rotation issue() wrote), row g + 8
+    // 512 bytes further; a quad's four lanes read the four words of one group, the warp 32 distinct banks
+    const int ng = j.nsteps * 4;
+    const unsigned char* rrow = reinterpret_cast<const unsigned char*>(s.ring) + g * 64 + t * 4;
+    int ro[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) ro[q] = ((q + (g >> 1)) & 3) * 16;
+    const unsigned char* sc0p = s.sc + g * ng;
+    const unsigned char* sc1p = s.sc + (g + 8) * ng;
+    const unsigned char* xt = reinterpret_cast<const unsigned char*>(s.xh) + t * 16;  // 8 f16 of group q: q * 64
+    for (int c = 0; c < l.nchunk; ++c) {
+      __syncwarp();  // the quad is done reading the slot about to be refilled
+      issue(l, c + NBUF - 1, slot == 0 ? NBUF - 1 : slot - 1);
+      cp_async_wait<NBUF - 1>();
+      __syncwarp();  // every lane's copies of chunk c (and the scales) visible to its quad
+      const unsigned char* rc = rrow + slot * (NSTEP * kStepB);
 #pragma unroll
       for (int st = 0; st < NSTEP; ++st) {
         const int step = c * NSTEP + st;
-        if (step >= j.nsteps) break;
-        const uint32_t* r0 = reinterpret_cast<const uint32_t*>(s.ring + ((slot * NSTEP + st) * 2) * 32 + g * 4);
-        const uint32_t* r1 = r0 + 32 * 4;
-        const uint32_t sc0 = *reinterpret_cast<const uint32_t*>(s.sc + g * ng + step * 4);
-        const uint32_t sc1 = *reinterpret_cast<const uint32_t*>(s.sc + (g + 8) * ng + step * 4);
+        if (step >= l.nsteps) break;
+        const uint32_t sc0 = *reinterpret_cast<const uint32_t*>(sc0p + step * 4);
+        const uint32_t sc1 = *reinterpret_cast<const uint32_t*>(sc1p + step * 4);
         const float fx = s.xs[step] * 64.0f;
+        const unsigned char* xs = xt + step * 256;
 #pragma unroll
         for (int q = 0; q < 4; ++q) {  // group q of the step (copied by lane (g, q) of the quad)
-          const int pos = (q + (g >> 1)) & 3;
-          const uint32_t w0 = r0[pos * 4 + t], w1 = r1[pos * 4 + t];
-          const uint4 xb = g == 0 ? *reinterpret_cast<const uint4*>(s.xh + step * 128 + q * 32 + t * 8)
-                                  : make_uint4(0u, 0u, 0u, 0u);
+          const unsigned char* rq = rc + st * kStepB + ro[q];
+          const uint32_t w0 = *reinterpret_cast<const uint32_t*>(rq);
+          const uint32_t w1 = *reinterpret_cast<const uint32_t*>(rq + 512);
+          const uint4 xb = *reinterpret_cast<const uint4*>(xs + q * 64);
           float d[4];
           mma_e4m3_f16x(d, fp4_even(w0), fp4_even(w1), fp4_odd(w0), fp4_odd(w1), xb, true);
           float f0, f1;
@@ -277,25 +306,33 @@ __device__ __forceinline__ void run(const Job& j, const WarpSmem& s, int warp, i
           acc1 += d[2] * (f1 * fx);
         }
       }
-    } else {  // one 128-column block per chunk
-      const int pos = g * 4 + ((t + (g >> 1)) & 3);
+      slot = slot == NBUF - 1 ? 0 : slot + 1;
+    }
+  } else {  // one 128-column block per chunk; the lane reads back the 16 bytes it copied
+    const unsigned char* wl = l.slot0;
+    const unsigned char* xt = reinterpret_cast<const unsigned char*>(s.xh) + t * 32;  // 16 f16 of a step
+    const float* bs = reinterpret_cast<const float*>(j.sc);
+    for (int c = 0; c < l.nchunk; ++c) {
+      __syncwarp();
+      issue(l, c + NBUF - 1, slot == 0 ? NBUF - 1 : slot - 1);
+      cp_async_wait<NBUF - 1>();
+      __syncwarp();
+      const unsigned char* wc = wl + slot * (NSTEP * kStepB);
       float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
       for (int st = 0; st < NSTEP; ++st) {
         const int step = c * NSTEP + st;
-        const uint4 wa = s.ring[((slot * NSTEP + st) * 2) * 32 + pos];
-        const uint4 wb = s.ring[((slot * NSTEP + st) * 2 + 1) * 32 + pos];
-        const uint4* xp = reinterpret_cast<const uint4*>(s.xh + step * 64 + t * 16);
-        const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-        const uint4 xb0 = g == 0 ? xp[0] : zero, xb1 = g == 0 ? xp[1] : zero;
-        mma_e4m3_f16x(d, wa.x, wb.x, wa.y, wb.y, xb0, false);
-        mma_e4m3_f16x(d, wa.z, wb.z, wa.w, wb.w, xb1, false);
+        const uint4 wa = *reinterpret_cast<const uint4*>(wc + st * kStepB);
+        const uint4 wb = *reinterpret_cast<const uint4*>(wc + st * kStepB + 512);
+        const uint4* xp = reinterpret_cast<const uint4*>(xt + step * 128);
+        mma_e4m3_f16x(d, wa.x, wb.x, wa.y, wb.y, xp[0], false);
+        mma_e4m3_f16x(d, wa.z, wb.z, wa.w, wb.w, xp[1], false);
       }
-      const float f = __ldg(reinterpret_cast<const float*>(j.sc) + c) * s.xs[c];
+      const float f = __ldg(bs + c) * s.xs[c];
       acc0 += d[0] * f;
       acc1 += d[2] * f;
+      slot = slot == NBUF - 1 ? 0 : slot + 1;
     }
-    slot = slot == NBUF - 1 ? 0 : slot + 1;
   }
   if (t == 0) {
     s.red[warp * 16 + g] = acc0;
@@ -340,14 +377,15 @@ __global__ void __launch_bounds__(kThreads, 3) moe_up_kernel(const MoeArgs a) {
     j.sc = reinterpret_cast<const uint8_t*>((mat ? a.v3s : a.v1s) + (row0 / 128) * (a.D / 128) + kq * kw / 128);
     j.sc_ld = 0;
     j.nsteps = kw / 64;
-    prefetch<false>(j, s, lane);
+    const Lane l = lane_of(j, s, lane);
+    prefetch<false>(j, l, s, lane);
     dev::griddep_wait();
     dev::griddep_launch_dependents();  // after the wait: see moe_down_kernel
     XStage<XQ> xs;
     xs.load(a, j, half, lane);
     xs.template store<false>(half, sx, lane, b0);
     pair_sync();
-    run<false>(j, sx, warp, lane);
+    run<false>(j, l, sx, warp, lane);
   } else {
     dev::griddep_wait();
     dev::griddep_launch_dependents();
@@ -360,10 +398,11 @@ __global__ void __launch_bounds__(kThreads, 3) moe_up_kernel(const MoeArgs a) {
     j.sc = (mat ? a.s3 : a.s1) + r * (a.D / 32) + kq * kw / 32;
     j.sc_ld = a.D / 32;
     j.nsteps = kw / 128;
-    prefetch<true>(j, s, lane);
+    const Lane l = lane_of(j, s, lane);
+    prefetch<true>(j, l, s, lane);
     xs.template store<true>(half, sx, lane, b0);
     pair_sync();
-    run<true>(j, sx, warp, lane);
+    run<true>(j, l, sx, warp, lane);
   }
   __syncthreads();
   if (threadIdx.x < 16) {
@@ -406,12 +445,13 @@ __global__ void __launch_bounds__(kThreads, 3) moe_down_kernel(const MoeArgs a) 
     j.sc_ld = 0;
     j.nsteps = kh / 64;
     j.x = a.h + static_cast<long long>(a.k) * a.I + half * kh;
-    prefetch<false>(j, s, lane);
+    const Lane l = lane_of(j, s, lane);
+    prefetch<false>(j, l, s, lane);
     dev::griddep_wait();
     XRegs xr;
     load_x(j, kh / 128, lane, xr);
     quantize_x<false>(xr, kh / 128, s, lane);
-    run<false>(j, s, warp, lane);
+    run<false>(j, l, s, warp, lane);
   } else if (routed) {
     const long long r = __ldcg(a.idx + warp) * a.D + row0;
     j.w = a.w2 + r * (a.I / 2);
@@ -419,13 +459,14 @@ __global__ void __launch_bounds__(kThreads, 3) moe_down_kernel(const MoeArgs a) 
     j.sc = a.s2 + r * (a.I / 32);
     j.sc_ld = a.I / 32;
     j.nsteps = a.I / 128;
-    prefetch<true>(j, s, lane);
+    const Lane l = lane_of(j, s, lane);
+    prefetch<true>(j, l, s, lane);
     dev::griddep_wait();
     j.x = a.h + static_cast<long long>(warp) * a.I;
     XRegs xr;
     load_x(j, a.I / 128, lane, xr);
     quantize_x<true>(xr, a.I / 128, s, lane);
-    run<true>(j, s, warp, lane);
+    run<true>(j, l, s, warp, lane);
   }
   __syncthreads();
   if (threadIdx.x < 16) {
