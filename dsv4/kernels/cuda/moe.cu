@@ -140,6 +140,15 @@ __device__ __forceinline__ void issue(const Lane& l, int c, int slot) {
   cp_async_commit();
 }
 
+// chunk c of the stream in ring slot `slot`: the chunk NBUF - 1 ahead issued into the slot freed last, then c waited
+// for and visible to the lane's quad
+__device__ __forceinline__ void await_chunk(const Lane& l, int c, int slot) {
+  __syncwarp();  // the quad is done reading the slot about to be refilled
+  issue(l, c + NBUF - 1, slot == 0 ? NBUF - 1 : slot - 1);
+  cp_async_wait<NBUF - 1>();
+  __syncwarp();  // every lane's copies of chunk c (and the scales) visible to its quad
+}
+
 // FP4 scale bytes (in the first chunk's commit group) and the first NBUF - 1 chunks
 template <bool FP4>
 __device__ __forceinline__ void prefetch(const Job& j, const Lane& l, const WarpSmem& s, int lane) {
@@ -276,10 +285,7 @@ __device__ __forceinline__ void run(const Job& j, const Lane& l, const WarpSmem&
     const unsigned char* sc1p = s.sc + (g + 8) * ng;
     const unsigned char* xt = reinterpret_cast<const unsigned char*>(s.xh) + t * 16;  // 8 f16 of group q: q * 64
     for (int c = 0; c < l.nchunk; ++c) {
-      __syncwarp();  // the quad is done reading the slot about to be refilled
-      issue(l, c + NBUF - 1, slot == 0 ? NBUF - 1 : slot - 1);
-      cp_async_wait<NBUF - 1>();
-      __syncwarp();  // every lane's copies of chunk c (and the scales) visible to its quad
+      await_chunk(l, c, slot);
       const unsigned char* rc = rrow + slot * (NSTEP * kStepB);
 #pragma unroll
       for (int st = 0; st < NSTEP; ++st) {
@@ -313,10 +319,7 @@ __device__ __forceinline__ void run(const Job& j, const Lane& l, const WarpSmem&
     const unsigned char* xt = reinterpret_cast<const unsigned char*>(s.xh) + t * 32;  // 16 f16 of a step
     const float* bs = reinterpret_cast<const float*>(j.sc);
     for (int c = 0; c < l.nchunk; ++c) {
-      __syncwarp();
-      issue(l, c + NBUF - 1, slot == 0 ? NBUF - 1 : slot - 1);
-      cp_async_wait<NBUF - 1>();
-      __syncwarp();
+      await_chunk(l, c, slot);
       const unsigned char* wc = wl + slot * (NSTEP * kStepB);
       float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
