@@ -7,7 +7,8 @@ state. `ModelState.reset()` starts a new sequence: positions to 0, compressor sc
 
 With `kv_packed` (reference numerics, bf16 activations: the FP8 simulation of the K = V rows is on) the window ring and
 the attention compressor's entries hold packed FP8 rows (dsv4/ops/kv_pack.py: 592 bytes a Flash row instead of
-1,024), the same values bit for bit; the indexer's keys stay in the activation dtype.
+1,024), the same values bit for bit. With `keys_packed` (the same conditions: the indexer's keys are FP4-simulated)
+the indexer's keys are packed FP4 rows (80 bytes a Flash key instead of 256), the same values bit for bit.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from dsv4.config import LayerSpec, ModelConfig
-from dsv4.ops.kv_pack import kv_row_bytes
+from dsv4.ops.kv_pack import key_row_bytes, kv_row_bytes
 
 
 class CompressorState:
@@ -23,18 +24,19 @@ class CompressorState:
 
     kv / score: fp32 [B, coff*r, coff*d]. CSA (coff=2): slots 0..r-1 = previous complete window,
     slots r..2r-1 = current window; HCA (coff=1): slot = p mod r. Scores include `ape`.
-    entries: [B, max_len // r + 1, d] in the activation dtype (post norm/RoPE/quant simulation), or packed FP8
-    rows [B, max_len // r + 1, kv_row_bytes(d)] uint8; the spare last row belongs to a window that cannot close
-    within max_len (no query reads it).
+    entries: [B, max_len // r + 1, d] in the activation dtype (post norm/RoPE/quant simulation), or packed rows
+    [B, max_len // r + 1, bytes] uint8 (packed "kv": FP8 K = V rows of kv_row_bytes(d); "key": FP4 indexer keys of
+    key_row_bytes(d)); the spare last row belongs to a window that cannot close within max_len (no query reads it).
     """
 
     def __init__(self, batch: int, ratio: int, dim: int, overlap: bool, max_len: int, dtype, device,
-                 packed: bool = False):
+                 packed: str | None = None):
         coff = 2 if overlap else 1
         self.ratio, self.dim, self.overlap = ratio, dim, overlap
         self.kv = torch.zeros(batch, coff * ratio, coff * dim, dtype=torch.float32, device=device)
         self.score = torch.full_like(self.kv, float("-inf"))
-        width, edt = (kv_row_bytes(dim), torch.uint8) if packed else (dim, dtype)
+        rb = {None: None, "kv": kv_row_bytes, "key": key_row_bytes}[packed]
+        width, edt = (rb(dim), torch.uint8) if rb else (dim, dtype)
         self.entries = torch.zeros(batch, max_len // ratio + 1, width, dtype=edt, device=device)
 
     def reset(self) -> None:
@@ -45,7 +47,7 @@ class CompressorState:
 
 class BlockState:
     def __init__(self, cfg: ModelConfig, spec: LayerSpec, batch: int, max_len: int, dtype, device,
-                 kv_packed: bool = False):
+                 kv_packed: bool = False, keys_packed: bool = False):
         self.max_len = max_len
         width, wdt = (kv_row_bytes(cfg.head_dim), torch.uint8) if kv_packed else (cfg.head_dim, dtype)
         self.window = torch.zeros(batch, cfg.sliding_window, width, dtype=wdt, device=device)
@@ -53,9 +55,10 @@ class BlockState:
         self.indexer = None
         if spec.ratio > 0:
             self.compressor = CompressorState(batch, spec.ratio, cfg.head_dim, spec.overlap, max_len, dtype, device,
-                                              kv_packed)
+                                              "kv" if kv_packed else None)
         if spec.has_indexer:
-            self.indexer = CompressorState(batch, spec.ratio, cfg.index_head_dim, True, max_len, dtype, device)
+            self.indexer = CompressorState(batch, spec.ratio, cfg.index_head_dim, True, max_len, dtype, device,
+                                           "key" if keys_packed else None)
 
     def reset(self) -> None:
         self.window.zero_()
@@ -69,9 +72,10 @@ class ModelState:
 
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, dtype=torch.float32, device="cpu",
                  with_mtp: bool = False, block_devices: list | None = None, mtp_devices: list | None = None,
-                 kv_packed: bool = False):
+                 kv_packed: bool = False, keys_packed: bool = False):
         """block_devices / mtp_devices: per-block devices (layers spread over GPUs); default `device`. kv_packed: the
-        K = V rows as packed FP8 rows (bf16 activations, reference numerics)."""
+        K = V rows as packed FP8 rows; keys_packed: the indexer's keys as packed FP4 rows (both: bf16 activations,
+        reference numerics)."""
         if max_len < 1:
             raise ValueError(f"max_len must be >= 1, got {max_len}")
         if max_len > cfg.max_position_embeddings:
@@ -82,10 +86,11 @@ class ModelState:
         self.pos = 0  # number of tokens already processed (the next token's position)
         bdev = block_devices or [device] * len(cfg.layers)
         mdev = mtp_devices or [device] * len(cfg.mtp_layers)
-        self.kv_packed = kv_packed
-        self.blocks = [BlockState(cfg, s, batch, max_len, dtype, d, kv_packed) for s, d in zip(cfg.layers, bdev)]
-        self.mtp = ([BlockState(cfg, s, batch, max_len, dtype, d, kv_packed) for s, d in zip(cfg.mtp_layers, mdev)]
-                    if with_mtp else [])
+        self.kv_packed, self.keys_packed = kv_packed, keys_packed
+        self.blocks = [BlockState(cfg, s, batch, max_len, dtype, d, kv_packed, keys_packed)
+                       for s, d in zip(cfg.layers, bdev)]
+        self.mtp = ([BlockState(cfg, s, batch, max_len, dtype, d, kv_packed, keys_packed)
+                     for s, d in zip(cfg.mtp_layers, mdev)] if with_mtp else [])
 
     def reset(self) -> None:
         self.pos = 0

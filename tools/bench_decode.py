@@ -61,16 +61,26 @@ def state_read_bytes(st, pos: int, spec) -> int:
 
 
 def fill_state(state, pos: int, seed: int) -> None:
+    """Random values in every row of the state; packed rows (uint8) hold packed random rows of their kind (FP8 K = V
+    rows, FP4 indexer keys), so their readers see realistic values."""
     import torch
+
+    from dsv4.ops.fp4_quant import fp4_act_quant_ref
+    from dsv4.ops.kv_pack import key_pack_parts, kv_pack_ref, packed_row_dim
+
+    def packed(t, key_dim: int | None):
+        if key_dim:
+            return key_pack_parts(*fp4_act_quant_ref(torch.randn(*t.shape[:-1], key_dim, generator=g), 32))
+        return kv_pack_ref(torch.randn(*t.shape[:-1], packed_row_dim(t.shape[-1]), generator=g).to(torch.bfloat16))
 
     g = torch.Generator(device="cpu").manual_seed(seed)
     for st in state.blocks:
-        tensors = [st.window]
+        tensors = [(st.window, None)]
         for c in (st.compressor, st.indexer):
             if c is not None:
-                tensors += [c.entries, c.kv, c.score]
-        for t in tensors:
-            t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+                tensors += [(c.entries, c.dim if c is st.indexer else None), (c.kv, None), (c.score, None)]
+        for t, key_dim in tensors:
+            t.copy_(packed(t, key_dim) if t.dtype == torch.uint8 else torch.randn(t.shape, generator=g).to(t.dtype))
     state.pos = pos
 
 
@@ -323,6 +333,10 @@ def main(argv=None) -> int:
     p.add_argument("--prefill", type=int, default=0, metavar="N",
                    help="also time the chunked prefill (128-token chunks) of an N-token prompt ending at each context, "
                         "eager and through the prefill graphs (default: 0, decode only)")
+    p.add_argument("--kv-fp8", action="store_true",
+                   help="keep the K = V rows (window ring, compressed entries) as packed FP8 rows (default: bf16)")
+    p.add_argument("--keys-fp4", action="store_true",
+                   help="keep the indexer's keys as packed FP4 rows (default: bf16)")
     p.add_argument("--json", metavar="F", help="write the results as JSON to F (default: none)")
     args = p.parse_args(argv)
 
@@ -359,6 +373,10 @@ def main(argv=None) -> int:
     if args.prefill < 0 or any(args.prefill > c for c in contexts):
         print(f"error: --prefill must be in [0, the smallest context], got {args.prefill}", file=sys.stderr)
         return 2
+    if (args.kv_fp8 or args.keys_fp4) and args.numerics != "reference":
+        print("error: --kv-fp8 / --keys-fp4 need --numerics reference (the rows they pack are quantization-simulated)",
+              file=sys.stderr)
+        return 2
     raw = truncate_layers(FLASH_CONFIG, args.layers)
     raw["compress_ratios"] = raw["compress_ratios"][: args.layers]  # no MTP block in the benchmark
     raw["num_nextn_predict_layers"] = 0
@@ -385,7 +403,7 @@ def main(argv=None) -> int:
 
     results = []
     for ctx in contexts:
-        state = model.new_state(ctx)
+        state = model.new_state(ctx, kv_fp8=args.kv_fp8, keys_fp4=args.keys_fp4)
         row = {"context": ctx}
         for mode in (["eager"] if not args.no_eager else []) + ["graph"]:
             runner = DecodeRunner(model, state, use_graphs=(mode == "graph"))
@@ -469,7 +487,8 @@ def main(argv=None) -> int:
     dev_name = torch.cuda.get_device_name(devices[0])
     floor_ms = FLOOR_GB_PER_TOKEN * 1e9 / (bw * 1e9) * 1e3
     print(f"\ndsv4 decode benchmark: {dev_name} x{len(set(devices))}, torch {torch.__version__}, "
-          f"{args.layers} Flash layers ({', '.join(s.attn for s in cfg.layers)}), numerics {args.numerics}, batch 1")
+          f"{args.layers} Flash layers ({', '.join(s.attn for s in cfg.layers)}), numerics {args.numerics}, batch 1, "
+          f"K = V rows {'FP8 packed' if args.kv_fp8 else 'bf16'}, indexer keys {'FP4 packed' if args.keys_fp4 else 'bf16'}")
     print(f"device copy bandwidth {bw:.0f} GB/s -> floor for {FLOOR_GB_PER_TOKEN} GB/token: {floor_ms:.2f} ms")
     hdr = f"{'context':>8} | {'mode':>5} | {'token ms':>9} | {'per-layer ms (' + ','.join(s.attn for s in cfg.layers) + ')':<40} | {'GB/tok':>7} | {'GB/s':>7} | {'% copy BW':>9} | {'proj. 43L ms':>12}"
     print(hdr)
@@ -527,7 +546,7 @@ def main(argv=None) -> int:
            "layers": args.layers, "layer_kinds": [s.attn for s in cfg.layers], "numerics": args.numerics,
            "copy_GBps": bw, "floor_GB_per_token": FLOOR_GB_PER_TOKEN, "floor_ms_at_copy_bw": floor_ms,
            "build_s": build_s, "results": results, "command": " ".join(sys.argv), "kernels": kernel_report,
-           "overlap": not args.no_overlap}
+           "overlap": not args.no_overlap, "kv_fp8": args.kv_fp8, "keys_fp4": args.keys_fp4}
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
         print(f"wrote {args.json}", file=sys.stderr)

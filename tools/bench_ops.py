@@ -253,7 +253,7 @@ INDEXER = [("indexer.1k", 1024), ("indexer.16k", 16384), ("indexer.128k", 131072
 
 def indexer_cases(dev, randn):
     """A CSA layer's Lightning Indexer at Flash shapes (64 heads x 128, k = 512 of context / 4 entries): `.scores` (bf16
-    scores of M queries, reference numerics; bytes: q, w, the keys, the scores) and `.topk` (the top-512 list per query;
+    scores of M queries, reference numerics; bytes: q, w, the keys, the scores; `.scores.fp4`: the keys packed FP4) and `.topk` (the top-512 list per query;
     bytes: the scores, the list), the latter with a `.triton` twin (the dispatching fast op runs the CUDA kernel where
     indexer_cuda.topk_prefers says it is the faster). M is the number of queries."""
     import torch
@@ -264,6 +264,15 @@ def indexer_cases(dev, randn):
         q = randn(1, M, H, d, dtype=torch.bfloat16)
         w = randn(1, M, H, std=0.01, dtype=torch.bfloat16)
         keys = randn(1, n, d, dtype=torch.bfloat16)
+        return (q, w, keys, True, (d * H) ** -0.5), _nbytes(q, w, keys) + M * n * 2
+
+    def make_scores_fp4(M, n):  # the keys as packed FP4 rows (80 bytes a key instead of 256)
+        from dsv4.ops.fp4_quant import fp4_act_quant_ref
+        from dsv4.ops.kv_pack import key_pack_parts
+
+        q = randn(1, M, H, d, dtype=torch.bfloat16)
+        w = randn(1, M, H, std=0.01, dtype=torch.bfloat16)
+        keys = key_pack_parts(*fp4_act_quant_ref(randn(1, n, d), 32))
         return (q, w, keys, True, (d * H) ** -0.5), _nbytes(q, w, keys) + M * n * 2
 
     def make_topk(M, n):
@@ -278,6 +287,7 @@ def indexer_cases(dev, randn):
     for name, context in INDEXER:
         n = context // 4
         cases[name + ".scores"] = ("indexer_scores", lambda M, n=n: make_scores(M, n))
+        cases[name + ".scores.fp4"] = ("indexer_scores", lambda M, n=n: make_scores_fp4(M, n))
         cases[name + ".topk"] = ("topk_select", lambda M, n=n: make_topk(M, n))
         if indexer_triton is not None:
             cases[name + ".topk.triton"] = ("topk_select", lambda M, n=n: make_topk(M, n), indexer_triton.topk_select)
@@ -537,7 +547,7 @@ def main(argv=None) -> int:
                     "moe_experts.triton", "router", "router.triton", "mhc_post_pre_norm+router",
                     "mhc_post_pre_norm+router.triton"]
                  + [n + t for n, _, _ in ATTN for t in ("", ".triton")]
-                 + [n + t for n, _ in INDEXER for t in (".scores", ".topk", ".topk.triton")])
+                 + [n + t for n, _ in INDEXER for t in (".scores", ".scores.fp4", ".topk", ".topk.triton")])
         print("\n".join(names))
         return 0
     if not torch.cuda.is_available():

@@ -19,7 +19,7 @@ from dsv4.model.attention import Attention
 from dsv4 import ops
 from dsv4.model.layers import Linear, Numerics, RMSNorm, Rope, SideBranch, StepPlan, on_device
 from dsv4.model.moe import ExpertLinear, MoE, StackedExperts
-from dsv4.ops.kv_pack import ROPE, packable
+from dsv4.ops.kv_pack import ROPE, key_packable, packable
 from dsv4.ops.linear import PreparedLinear
 from dsv4.state import BlockState, ModelState
 
@@ -161,24 +161,27 @@ class Transformer(nn.Module):
             self._ropes[key] = Rope(c.qk_rope_head_dim, c.theta_for(kind), c.rope_scaling_for(kind), self.max_pos, device)
         return self._ropes[key]
 
-    def new_state(self, max_len: int, batch: int = 1, with_mtp: bool = False, kv_fp8: bool = False) -> ModelState:
+    def new_state(self, max_len: int, batch: int = 1, with_mtp: bool = False, kv_fp8: bool = False,
+                  keys_fp4: bool = False) -> ModelState:
         """The preallocated state. kv_fp8: its window ring and compressed entries hold packed FP8 rows
-        (dsv4/ops/kv_pack.py: 592 bytes a Flash row instead of 1,024, the same values, so the same results); it needs
-        reference numerics with bf16 activations (where the K = V rows are FP8-simulated). Off by default: its
-        readers are slower than the bf16 ones for now (docs/performance.md, twenty-eighth pass)."""
+        (dsv4/ops/kv_pack.py: 592 bytes a Flash row instead of 1,024, the same values, so the same results); keys_fp4:
+        the indexer's keys are packed FP4 rows (80 bytes a Flash key instead of 256, the same values). Both need
+        reference numerics with bf16 activations (where those rows are FP8- / FP4-simulated). kv_fp8 is off by
+        default: its readers are slower than the bf16 ones for now (docs/performance.md, twenty-eighth pass)."""
         dev = self.embed.weight.device
         c = self.cfg
-        kv_packed = False
-        if kv_fp8:
-            if not (self.numerics.reference and packable(c.head_dim, self.numerics.dtype)
-                    and c.qk_rope_head_dim == ROPE):
-                raise ValueError("an FP8 KV state needs reference numerics with bf16 activations and "
-                                 f"head_dim - {ROPE} RoPE dims a multiple of 64 (got {self.numerics.dtype}, head_dim "
-                                 f"{c.head_dim}, RoPE dims {c.qk_rope_head_dim})")
-            kv_packed = True
+        ref_bf16 = self.numerics.reference and self.numerics.dtype == torch.bfloat16
+        if kv_fp8 and not (ref_bf16 and packable(c.head_dim, self.numerics.dtype) and c.qk_rope_head_dim == ROPE):
+            raise ValueError("an FP8 KV state needs reference numerics with bf16 activations and "
+                             f"head_dim - {ROPE} RoPE dims a multiple of 64 (got {self.numerics.dtype}, head_dim "
+                             f"{c.head_dim}, RoPE dims {c.qk_rope_head_dim})")
+        if keys_fp4 and not (ref_bf16 and key_packable(c.index_head_dim, self.numerics.dtype)):
+            raise ValueError("FP4 indexer keys need reference numerics with bf16 activations and index_head_dim a "
+                             f"multiple of 32 (got {self.numerics.dtype}, index_head_dim {c.index_head_dim})")
         return ModelState(c, batch, max_len, self.numerics.dtype, dev, with_mtp=with_mtp,
                           block_devices=[layer.attn_norm.weight.device for layer in self.layers],
-                          mtp_devices=[blk.attn_norm.weight.device for blk in self.mtp], kv_packed=kv_packed)
+                          mtp_devices=[blk.attn_norm.weight.device for blk in self.mtp], kv_packed=kv_fp8,
+                          keys_packed=keys_fp4)
 
     def place(self, devices: list) -> "Transformer":
         """Spread the model over `devices`: embedding on the first, head/norm/hc_head on the last, the

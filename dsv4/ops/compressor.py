@@ -9,7 +9,7 @@ the S = 1 decode step is captured once and right at every position):
   halves then this window's B halves); the windows whose last token is in the chunk are emitted:
   cast to the entries dtype, RMSNorm, RoPE at position w*r, then the quantization simulation
   ("fp8": FP8 block 64 on the no-RoPE dims; "fp4": Hadamard + FP4 block 32 (indexer keys); None); uint8 entries
-  hold "fp8" rows packed (dsv4/ops/kv_pack.py);
+  hold the rows packed (dsv4/ops/kv_pack.py: "fp8" K = V rows, "fp4" keys);
 - the state keeps the open window's rows and (CSA) the last closed window.
 Windows that do not close leave their entry row as it is (the spare last row of `entries` takes a window
 that never closes within the state's length; no query reads it).
@@ -20,9 +20,9 @@ from __future__ import annotations
 import torch
 
 from dsv4.ops.act_quant import act_quant_ref, act_quant_sim_ref
-from dsv4.ops.fp4_quant import fp4_act_quant_sim_ref
+from dsv4.ops.fp4_quant import fp4_act_quant_ref, fp4_act_quant_sim_ref
 from dsv4.ops.hadamard import hadamard_ref
-from dsv4.ops.kv_pack import ROPE, kv_pack_parts
+from dsv4.ops.kv_pack import KEY_BLOCK, ROPE, key_pack_parts, kv_pack_parts
 from dsv4.ops.norm import rmsnorm_ref
 from dsv4.ops.rope import rope_ref
 
@@ -30,13 +30,16 @@ from dsv4.ops.rope import rope_ref
 def finish_entries(e: torch.Tensor, norm_w: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                    quant: str | None, dtype: torch.dtype) -> torch.Tensor:
     """Pooled e [B, n, d] fp32 -> stored entries [B, n, d] in dtype (cos/sin [n, rd/2] at w*r); dtype uint8: packed
-    FP8 rows (quant "fp8", dsv4/ops/kv_pack.py) of the bf16 entries, the simulation's codes and scales."""
+    rows (dsv4/ops/kv_pack.py) of the bf16 entries, the simulation's codes and scales: FP8 K = V rows (quant "fp8")
+    or FP4 indexer keys (quant "fp4")."""
     pack = dtype == torch.uint8
-    if pack and (quant != "fp8" or 2 * cos.shape[-1] != ROPE):
-        raise ValueError(f"compressor: packed entries need quant 'fp8' and {ROPE} RoPE dims, got {quant!r}")
+    if pack and not (quant == "fp4" or (quant == "fp8" and 2 * cos.shape[-1] == ROPE)):
+        raise ValueError(f"compressor: packed entries need quant 'fp4', or 'fp8' with {ROPE} RoPE dims, got {quant!r}")
     e = rope_ref(rmsnorm_ref(e.to(torch.bfloat16 if pack else dtype), norm_w, eps), cos, sin)
     if quant == "fp4":
-        return fp4_act_quant_sim_ref(hadamard_ref(e), 32)
+        if pack:
+            return key_pack_parts(*fp4_act_quant_ref(hadamard_ref(e), KEY_BLOCK))
+        return fp4_act_quant_sim_ref(hadamard_ref(e), KEY_BLOCK)
     if quant == "fp8":
         nope = e.shape[-1] - 2 * cos.shape[-1]
         if pack:
@@ -51,7 +54,8 @@ def compressor_ref(c: torch.Tensor, g: torch.Tensor, ape: torch.Tensor, norm_w: 
                    quant: str | None) -> None:
     """c, g [B,S,coff*d] fp32 at positions start + [0, S) (start: [1] int64 on the device);
     ape [r, coff*d]; cos_tab/sin_tab [max_pos, rd/2] RoPE tables; kv_state/score_state
-    [B, coff*r, coff*d] fp32 and entries [B, n_max + 1, d] (or packed: [B, n_max + 1, kv_row_bytes(d)] uint8)
+    [B, coff*r, coff*d] fp32 and entries [B, n_max + 1, d] (or packed: [B, n_max + 1, kv_row_bytes(d)] uint8 for
+    "fp8", [B, n_max + 1, key_row_bytes(d)] for "fp4")
     updated in place."""
     B, S, C = c.shape
     r = ratio

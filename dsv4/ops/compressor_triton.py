@@ -11,7 +11,7 @@ power of two finish through reference ops after the pool):
    finishes the whole row (`_finish_row`): bf16 cast, weighted RMSNorm, RoPE at the window's first position, the
    FP8 simulation of the no-RoPE dims (block 64) or, for the indexer's keys, the Hadamard rotation + FP4
    simulation of the row (dsv4/ops/hadamard_triton.py's helpers, bit for bit rotate_fp4_ref), and the insert at
-   the window's entry. It reads the complete scratch row, so the bits do not depend on which program is last. A
+   the window's entry (uint8 entries: packed rows, the simulation's FP8 or FP4 codes and scales, kv_pack.py). It reads the complete scratch row, so the bits do not depend on which program is last. A
    window that stays open leaves its entry row as it is.
 The kernel runs beside the layer's large GEMVs, whose weight streams make every dependent round trip to memory
 slow, so it keeps those few: all loads issued up front, the new state written from registers, the finished row kept
@@ -33,8 +33,8 @@ import triton
 import triton.language as tl
 
 from dsv4.ops.compressor import compressor_ref, finish_entries
-from dsv4.ops.hadamard_triton import fp4_sim_rows, hadamard_rows, hadamard_scale
-from dsv4.ops.kv_pack import is_packed, kv_row_bytes
+from dsv4.ops.hadamard_triton import fp4_sim_rows, hadamard_rows, hadamard_scale, store_packed_key
+from dsv4.ops.kv_pack import is_packed, key_row_bytes, kv_row_bytes
 from dsv4.ops.triton_util import arrival_counters, cast, e4m3_round, round_to, store_packed_kv, ue8m0_scale
 
 MAX_ROWS = 256  # batch rows with an arrival counter (the decode step runs one); more run the reference
@@ -168,7 +168,11 @@ def _finish_row(e_ptr, erow, w_ptr, cos_ptr, sin_ptr, ent_ptr, ent16_ptr, b, pos
     y = tl.reshape(tl.join(ya, yb), (BLOCK,))
     if QUANT == 2:  # the indexer's keys: Hadamard rotation + FP4 simulation of the whole row (d a power of 2)
         r = round_to(hadamard_rows(y.to(tl.float32)[None, :], 1, BLOCK, LOG2D) * HSCALE, DT)
-        tl.store(out + i[None, :], cast(fp4_sim_rows(r, 1, BLOCK), DT))
+        if PACK:  # the simulation's e2m1 codes and scale bytes, one packed key
+            store_packed_key(ent_ptr, (b * n_rows + row).to(tl.int64) * RB, tl.reshape(r, (BLOCK,)), BLOCK,
+                             RB - BLOCK // 2)
+        else:
+            tl.store(out + i[None, :], cast(fp4_sim_rows(r, 1, BLOCK), DT))
     elif PACK:  # the FP8 codes of the no-RoPE dims, the bf16 RoPE dims and the scales, one packed row
         store_packed_kv(ent_ptr, ent16_ptr, (b * n_rows + row).to(tl.int64) * RB, y.to(tl.float32), BLOCK, NOPE, BLOCK)
     else:
@@ -318,9 +322,10 @@ def _view16(entries: torch.Tensor) -> torch.Tensor:
 def _pack_meta(entries: torch.Tensor, d: int, quant: str | None) -> dict:
     if not is_packed(entries):
         return dict(PACK=False, RB=0)
-    if quant != "fp8" or entries.shape[-1] != kv_row_bytes(d) or d & (d - 1):
-        raise ValueError(f"compressor: packed entries need quant 'fp8' and rows of kv_row_bytes({d}) bytes (d a power "
-                         f"of two), got {quant!r} and {entries.shape[-1]}")
+    rb = {"fp8": kv_row_bytes, "fp4": key_row_bytes}.get(quant)
+    if rb is None or entries.shape[-1] != rb(d) or d & (d - 1):
+        raise ValueError(f"compressor: packed entries need quant 'fp8' or 'fp4' and rows of kv_row_bytes({d}) / "
+                         f"key_row_bytes({d}) bytes (d a power of two), got {quant!r} and {entries.shape[-1]}")
     return dict(PACK=True, RB=entries.shape[-1])
 
 

@@ -2,7 +2,8 @@
 
 Owns the e2m1 grid (E2M1_LUT, the signed 16-entry decode table: bit 3 = sign, bits 2..0 =
 magnitude code), round-to-nearest-even onto it, and `fp4_act_quant_sim_ref`: 1 x 32 blocks,
-amax floored at 6*2^-126, scale 2^ceil(log2(amax * fp32(1/6))), x <- e2m1(clamp(x/s, +-6))*s.
+amax floored at 6*2^-126, scale 2^ceil(log2(amax * fp32(1/6))), x <- e2m1(clamp(x/s, +-6))*s;
+`fp4_act_quant_ref` gives the same rounding as (codes, scales), the form packed indexer keys store.
 Only the Lightning Indexer's q/k use the simulation; formats.py reuses the encoder for packing.
 """
 
@@ -50,8 +51,9 @@ def e2m1_round_ref(t: torch.Tensor) -> torch.Tensor:
     return e2m1_lut(t.device)[e2m1_encode_ref(t).long()]
 
 
-def fp4_act_quant_sim_ref(x: torch.Tensor, block_size: int = 32) -> torch.Tensor:
-    """x: [..., K] (K % block_size == 0) -> FP4-simulated x, same shape and dtype; fp32 math."""
+def fp4_act_quant_ref(x: torch.Tensor, block_size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [..., K] (K % block_size == 0) -> (codes [..., K] uint8 e2m1 codes 0..15, scales [..., K / block_size] fp32
+    powers of two): the simulation's own rounding, so E2M1_LUT[codes] * scales is fp4_act_quant_sim_ref(x)."""
     if x.dim() == 0 or block_size <= 0 or x.shape[-1] % block_size != 0:
         raise ValueError(
             f"last dim of {tuple(x.shape)} must be a multiple of block_size={block_size}"
@@ -59,5 +61,12 @@ def fp4_act_quant_sim_ref(x: torch.Tensor, block_size: int = 32) -> torch.Tensor
     xb = x.float().unflatten(-1, (x.shape[-1] // block_size, block_size))  # [..., K/b, b]
     amax = xb.abs().amax(-1, keepdim=True).clamp_min(FP4_AMAX_FLOOR)  # [..., K/b, 1]
     s = ue8m0_ceil_ref(amax * FP4_MAX_INV)
-    y = e2m1_round_ref((xb / s).clamp(-FP4_MAX, FP4_MAX)) * s  # exact: s is a power of two
+    codes = e2m1_encode_ref((xb / s).clamp(-FP4_MAX, FP4_MAX))  # exact: s is a power of two
+    return codes.flatten(-2), s.squeeze(-1)
+
+
+def fp4_act_quant_sim_ref(x: torch.Tensor, block_size: int = 32) -> torch.Tensor:
+    """x: [..., K] (K % block_size == 0) -> FP4-simulated x, same shape and dtype; fp32 math."""
+    codes, s = fp4_act_quant_ref(x, block_size)
+    y = e2m1_lut(x.device)[codes.long()].unflatten(-1, (-1, block_size)) * s[..., None]  # exact
     return y.flatten(-2).to(x.dtype)

@@ -9,6 +9,8 @@ and FP4-simulates the indexer keys it emits:
 - `fp4_sim_rows(x, R, N)`: FP4 e2m1 simulation in 1 x 32 blocks as fp4_act_quant_sim_ref (amax floored at
   6 * 2^-126, power-of-two scale 2^ceil(log2(amax * fp32(1/6))) read off the exponent bits, RNE onto the
   e2m1 grid with the sign bit kept, times the scale), in fp32.
+- `store_packed_key(u8_ptr, off, x, N, PAD)`: the same rounding of one key stored as a packed FP4 key (codes and
+  scale bytes, dsv4/ops/kv_pack.py), for the compressor's packed indexer keys.
 Between the two the rotation is scaled by fp32(N^-0.5) and rounded to the input dtype, as hadamard_ref
 returns it. No host sync; graph safe.
 """
@@ -36,14 +38,20 @@ def hadamard_rows(y, R: tl.constexpr, N: tl.constexpr, LOG2N: tl.constexpr):
 
 
 @triton.jit
-def fp4_sim_rows(x, R: tl.constexpr, N: tl.constexpr):
-    xb = tl.reshape(x, [R, N // 32, 32])
+def _fp4_scaled(xb):
+    """Blocks xb [R, NB, 32] -> (e [R, NB]: each block scale's E8M0 byte, s = 2^(e - 127) >= amax / 6 with amax
+    floored; v [R, NB, 32]: xb / s clamped to [-6, 6], exact)."""
     amax = tl.maximum(tl.max(tl.abs(xb), axis=2), _FP4_FLOOR) * _FP4_INV6
     bits = amax.to(tl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)  # s = 2^(e - 127) >= amax / 6
-    s = (e << 23).to(tl.float32, bitcast=True)[:, :, None]
+    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
     inv = ((254 - e) << 23).to(tl.float32, bitcast=True)[:, :, None]  # 1 / s, exact (x * inv == x / s)
-    v = tl.minimum(tl.maximum(xb * inv, -6.0), 6.0)
+    return e, tl.minimum(tl.maximum(xb * inv, -6.0), 6.0)
+
+
+@triton.jit
+def fp4_sim_rows(x, R: tl.constexpr, N: tl.constexpr):
+    e, v = _fp4_scaled(tl.reshape(x, [R, N // 32, 32]))
+    s = (e << 23).to(tl.float32, bitcast=True)[:, :, None]
     a = tl.abs(v)
     # RNE onto {0, .5, 1, 1.5, 2, 3, 4, 6}: ties go to the even code (up at .75, 1.75, 3.5; down at .25, 1.25,
     # 2.5, 5), as e2m1_encode_ref counts its midpoints
@@ -58,6 +66,24 @@ def fp4_sim_rows(x, R: tl.constexpr, N: tl.constexpr):
     # as 0 - m, which gives +0.0
     sign = v.to(tl.int32, bitcast=True) & -2147483648
     return tl.reshape(((m * s).to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True), [R, N])
+
+
+@triton.jit
+def store_packed_key(u8_ptr, off, x, N: tl.constexpr, PAD: tl.constexpr):
+    """One key x [N] fp32 -> a packed FP4 key at byte offset `off` (dsv4/ops/kv_pack.py): fp4_sim_rows' rounding as
+    e2m1 codes (the count of its thresholds passed, the sign bit as bit 3), two a byte, then the blocks' E8M0 scale
+    bytes and zeros to the row's end (PAD: the row's bytes past the codes, a power of two)."""
+    e, v = _fp4_scaled(tl.reshape(x, [1, N // 32, 32]))
+    e = tl.reshape(e, [N // 32])
+    a = tl.abs(v)
+    code = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32) + (a >= 1.75).to(tl.int32)
+            + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32))
+    code = code | ((v.to(tl.int32, bitcast=True) >> 28) & 8)
+    lo, hi = tl.split(tl.reshape(code, [N // 2, 2]))
+    tl.store(u8_ptr + off + tl.arange(0, N // 2), (lo | (hi << 4)).to(tl.uint8))
+    k = tl.arange(0, PAD)
+    sv = tl.sum(tl.where(tl.arange(0, N // 32)[None, :] == k[:, None], e[None, :], 0), axis=1)  # byte k: block k's
+    tl.store(u8_ptr + off + N // 2 + k, sv.to(tl.uint8))
 
 
 @triton.jit

@@ -2,7 +2,8 @@
 
 `indexer_scores_ref(q, w, k, low_precision, w_scale)`: I[b,s,n] = sum_h w'[b,s,h] * relu(q[b,s,h] . k[b,n])
 with w' = w * w_scale (the head weights: weights_proj output times n_heads^-0.5 d^-0.5); in
-the activation dtype (bf16) under reference numerics, as DeepSeek computes it, else in fp32.
+the activation dtype (bf16) under reference numerics, as DeepSeek computes it, else in fp32. The keys may be
+packed FP4 rows (dsv4/ops/kv_pack.py), the simulation's codes and scales: the same values.
 `topk_select_ref(scores, n_visible, k)`: per query the k best of its first n_visible[s] entries,
 in descending score order with ties resolved to the lower entry index (so chunked and one-shot runs
 select the same list), as int32 entry indices; slots past the visible count are -1.
@@ -12,11 +13,16 @@ from __future__ import annotations
 
 import torch
 
+from dsv4.ops.kv_pack import is_packed, key_unpack_ref
+
 
 def indexer_scores_ref(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, low_precision: bool,
                        w_scale: float = 1.0) -> torch.Tensor:
     """q [B,S,H,d], w [B,S,H] (the weights_proj output), k [B,N,d] -> [B,S,N]; the head weights are
-    w * w_scale in the score dtype (low precision: w rounded to q's dtype, then scaled and rounded again)."""
+    w * w_scale in the score dtype (low precision: w rounded to q's dtype, then scaled and rounded again).
+    k may be packed FP4 keys [B,N,key_row_bytes(d)] uint8 (dsv4/ops/kv_pack.py), read as their bf16 values."""
+    if is_packed(k):
+        k = key_unpack_ref(k, q.shape[-1])
     if low_precision:
         score = torch.relu(torch.einsum("bshd,btd->bsht", q, k.to(q.dtype)))
         return (score * (w.to(q.dtype) * w_scale).unsqueeze(-1)).sum(2)

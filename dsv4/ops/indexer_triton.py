@@ -7,7 +7,8 @@ in dsv4/ops/indexer.py, SPEC §2.5). Owns two kernels and their configs; touches
   numerics) reproduces the bf16 einsum step by step: each head logit rounded to the activation dtype, relu,
   times w (rounded to that dtype), rounded, summed in fp32, rounded once (on the GPU each rounding is one
   cvt.rn). Otherwise all fp32. Only the dot's summation order differs from the reference (tolerances
-  `op_bf16_out` / `op_fp32_out`).
+  `op_bf16_out` / `op_fp32_out`). Packed FP4 keys (dsv4/ops/kv_pack.py; bf16 q, low precision, d a power of two)
+  are decoded in registers to their exact bf16 values, so they score as the bf16 keys they stand for.
 - `_topk_kernel`: exact top-k, bit for bit the reference's set and order. A row is cut into chunks of
   TOPK_TILE entries; each chunk's program keeps its k best (entries past the visible count are -inf), then
   merge rounds keep the k best of TOPK_MERGE candidates per program until one program per row is left,
@@ -27,6 +28,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from dsv4.ops.indexer import indexer_scores_ref
+from dsv4.ops.kv_pack import KEY_BLOCK, is_packed, key_row_bytes, packed_key_dim
+from dsv4.ops.triton_util import packed_key_tile
 
 _KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
@@ -60,7 +65,8 @@ def _round_kind(x, KIND: tl.constexpr, HW: tl.constexpr):
 def _scores_kernel(q_ptr, w_ptr, k_ptr, o_ptr, S, H, N, d,
                    sq_b, sq_s, sq_h, sw_b, sw_s, sk_b, sk_n, so_b, so_s, w_scale,
                    HP: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr, STAGES: tl.constexpr,
-                   LOW: tl.constexpr, KIND: tl.constexpr, OPT: tl.constexpr, HW: tl.constexpr):
+                   LOW: tl.constexpr, KIND: tl.constexpr, OPT: tl.constexpr, HW: tl.constexpr,
+                   PACKED: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -70,11 +76,14 @@ def _scores_kernel(q_ptr, w_ptr, k_ptr, o_ptr, S, H, N, d,
     h_ok = offs_h < H
     offs_d = tl.arange(0, DP)
     d_ok = offs_d < d
-    kt = tl.load(k_ptr + b * sk_b + offs_n[:, None].to(tl.int64) * sk_n + offs_d[None, :],
-                 mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-    if LOW:
-        kt = _round_kind(kt.to(tl.float32), KIND, HW)  # k.to(q.dtype)
-    kt = kt.to(OPT)
+    if PACKED:  # packed FP4 keys (d = DP): their exact bf16 values
+        kt = packed_key_tile(k_ptr + b * sk_b, offs_n.to(tl.int64) * sk_n, n_ok, BN, DP).to(tl.bfloat16).to(OPT)
+    else:
+        kt = tl.load(k_ptr + b * sk_b + offs_n[:, None].to(tl.int64) * sk_n + offs_d[None, :],
+                     mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        if LOW:
+            kt = _round_kind(kt.to(tl.float32), KIND, HW)  # k.to(q.dtype)
+        kt = kt.to(OPT)
     s0 = pid_s * SB
     # one K tile serves SB queries; queries past S are masked, not branched around (STAGES: the loop's
     # software-pipeline stages, 1 = not pipelined)
@@ -105,17 +114,26 @@ def _scores_kernel(q_ptr, w_ptr, k_ptr, o_ptr, S, H, N, d,
 # serves SB queries), software-pipeline stages of the query loop, warps. Measured on an H200 (docs/performance.md,
 # sixteenth pass): 64 entries up to 8192 (decode at 4096: 3.0 us against 3.4 with 128; a 128-query prefill there
 # would take 33.3 instead of 36.0), 128 beyond (decode at 32768: 5.2 against 5.8); more queries per tile and
-# pipelining the next query's loads both cost more than they save
-SCORES_CFG = {"bn_small": 64, "bn_large": 128, "large_n": 8192, "sb": 4, "stages": 1, "warps": 4}
+# pipelining the next query's loads both cost more than they save. Packed FP4 keys are decoded once per tile, so
+# they take 16 queries a tile (thirty-fourth pass, 128-query prefill: 306 -> 270 us at 32K entries, 2387 -> 2052 at
+# 262K; 8 and 32 measured as well)
+SCORES_CFG = {"bn_small": 64, "bn_large": 128, "large_n": 8192, "sb": 4, "sb_packed": 16, "stages": 1, "warps": 4}
 
 
 def indexer_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, low_precision: bool,
                    w_scale: float = 1.0) -> torch.Tensor:
-    """q [B,S,H,d], w [B,S,H], k [B,N,d] -> [B,S,N] (indexer_scores_ref's contract)."""
-    if q.dim() != 4 or w.shape != q.shape[:3] or k.dim() != 3 or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[3]:
+    """q [B,S,H,d], w [B,S,H], k [B,N,d] (or packed FP4 keys [B,N,key_row_bytes(d)] uint8) -> [B,S,N]
+    (indexer_scores_ref's contract)."""
+    packed = is_packed(k)
+    kw = key_row_bytes(q.shape[3]) if packed and q.dim() == 4 and q.shape[3] % KEY_BLOCK == 0 else q.shape[-1]
+    if q.dim() != 4 or w.shape != q.shape[:3] or k.dim() != 3 or k.shape[0] != q.shape[0] or k.shape[2] != kw:
         raise ValueError(f"indexer_scores: q {tuple(q.shape)}, w {tuple(w.shape)}, k {tuple(k.shape)} do not "
-                         f"match [B,S,H,d], [B,S,H], [B,N,d]")
-    for name, t in (("q", q), ("w", w), ("k", k)):
+                         f"match [B,S,H,d], [B,S,H], [B,N,d] (packed keys: [B,N,key_row_bytes(d)] uint8)")
+    if packed:
+        packed_key_dim(k, q.shape[3])  # unit stride on the bytes
+        if q.dtype != torch.bfloat16 or not low_precision or q.shape[3] & (q.shape[3] - 1):
+            return indexer_scores_ref(q, w, k, low_precision, w_scale)  # packed keys outside the kernel's cases
+    for name, t in (("q", q), ("w", w)) + (() if packed else (("k", k),)):
         if t.dtype not in _KIND:
             raise ValueError(f"indexer_scores: {name} dtype {t.dtype} not supported")
         if t.numel() and t.stride(-1) != 1:
@@ -137,14 +155,15 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, low_precis
     if q.is_cuda:
         cfg = SCORES_CFG
         BN = cfg["bn_large"] if N > cfg["large_n"] else cfg["bn_small"]
-        SB, stages, opts = min(cfg["sb"], S), cfg["stages"], {"num_warps": cfg["warps"]}
+        SB, stages, opts = min(cfg["sb_packed" if packed else "sb"], S), cfg["stages"], {"num_warps": cfg["warps"]}
     else:
         BN, SB, stages, opts = 64, min(SCORES_CFG["sb"], S), 1, {}  # interpreted: the same query blocks
     grid = (triton.cdiv(N, BN), triton.cdiv(S, SB), B)
     _scores_kernel[grid](q, w, k, o, S, H, N, d, q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1),
                          k.stride(0), k.stride(1), o.stride(0), o.stride(1),
                          float(w_scale), HP=max(16, _pow2_ge(H)), DP=max(16, _pow2_ge(d)), BN=BN, SB=SB,
-                         STAGES=stages, LOW=bool(low_precision), KIND=kind, OPT=opt, HW=q.is_cuda, **opts)
+                         STAGES=stages, LOW=bool(low_precision), KIND=kind, OPT=opt, HW=q.is_cuda, PACKED=packed,
+                         **opts)
     return o
 
 

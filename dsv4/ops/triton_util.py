@@ -7,7 +7,8 @@ the GPU's cvt.rn rounds; written out, both give the same bits. `cast(v, dtype)`:
 `rope_pairs(a, b, cos, sin, inverse)`: one RoPE rotation of interleaved pairs in fp32, as rope_ref.
 `arrival_counters(device, name, n)`: the zeroed int32 counters of a "last program to arrive finishes" kernel.
 `e4m3_bits(q)` / `e4m3_value(c)`: a value on the e4m3 grid <-> its byte; `packed_kv_cols(...)`: columns of packed
-FP8 K = V rows (dsv4/ops/kv_pack.py) as their exact values; `store_packed_kv(...)`: one row stored in that form.
+FP8 K = V rows (dsv4/ops/kv_pack.py) as their exact values; `store_packed_kv(...)`: one row stored in that form;
+`e2m1_f16(n)` / `packed_key_tile(...)`: FP4 codes as exact values, a tile of packed FP4 indexer keys.
 """
 
 import torch
@@ -117,6 +118,27 @@ def packed_kv_cols(u8_ptr, b16_ptr, rows, cols, mask, NOPE: tl.constexpr):
     rope = tl.load(b16_ptr + (rows // 2)[:, None] + (NOPE // 2 + cols - NOPE)[None, :], mask=mask & (cols >= NOPE)[None, :],
                    other=0.0)
     return tl.where(nope, e4m3_value(code) * (sb << 23).to(tl.float32, bitcast=True), rope.to(tl.float32))
+
+
+@triton.jit
+def e2m1_f16(n):
+    """e2m1 codes n (int32 0..15, bit 3 the sign) -> their values times 2^-14 in fp32, exact: the code's bits placed
+    as fp16 bits (2 exponent bits, 1 mantissa bit, e2m1's subnormal 0.5 landing on fp16's), widened."""
+    bits = ((n & 7) << 9) | ((n & 8) << 12)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def packed_key_tile(u8_ptr, rows, ok, R: tl.constexpr, D: tl.constexpr):
+    """Packed FP4 keys of D dims (dsv4/ops/kv_pack.py) at byte offsets rows [R] from u8_ptr -> their values [R, D]
+    fp32, exact (0 where not ok): the codes as [R, D / 32 blocks, 16 bytes], each block's scale byte loaded once."""
+    NB: tl.constexpr = D // 32
+    blk = tl.arange(0, NB)
+    col = blk[:, None] * 16 + tl.arange(0, 16)[None, :]
+    b = tl.load(u8_ptr + rows[:, None, None] + col[None, :, :], mask=ok[:, None, None], other=0).to(tl.int32)
+    sb = tl.load(u8_ptr + rows[:, None] + (D // 2 + blk)[None, :], mask=ok[:, None], other=0).to(tl.int32)
+    s = ((sb + 14) << 23).to(tl.float32, bitcast=True)[:, :, None]  # 2^(byte - 127) / 2^-14 (byte 0: a zero row)
+    return tl.reshape(tl.join(e2m1_f16(b & 15) * s, e2m1_f16(b >> 4) * s), (R, D))
 
 
 @triton.jit

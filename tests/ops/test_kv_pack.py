@@ -170,7 +170,7 @@ def test_compressor_entries_packed(ratio, overlap, D, chunks):
     n = sum(chunks) + ratio
     for op in (compressor_ref, fast):
         plain = CompressorState(1, ratio, D, overlap, n, torch.bfloat16, DEV)
-        packed = CompressorState(1, ratio, D, overlap, n, torch.bfloat16, DEV, packed=True)
+        packed = CompressorState(1, ratio, D, overlap, n, torch.bfloat16, DEV, packed="kv")
         assert packed.entries.dtype == torch.uint8 and packed.entries.shape[-1] == kv_row_bytes(D)
         p = 0
         for S in chunks:

@@ -1,0 +1,150 @@
+"""Packed FP4 indexer keys (dsv4/ops/kv_pack.py): the format, the writers (the compressor's indexer keys: reference
+and Triton, decode steps and prefill chunks) and the readers (indexer_scores: reference and Triton) against the bf16
+keys they stand for, bit for bit; and a whole model whose indexer keys are packed against the same model on a bf16
+state. Interpreted on the CPU at small widths; the Flash width (d = 128, 64 heads, 32K entries) on a GPU."""
+
+import pytest
+import torch
+
+from dsv4.model.layers import Rope
+from dsv4.ops.compressor import compressor_ref
+from dsv4.ops.fp4_quant import fp4_act_quant_sim_ref
+from dsv4.ops.indexer import indexer_scores_ref
+from dsv4.ops.kv_pack import key_pack_ref, key_row_bytes, key_unpack_ref
+from dsv4.state import CompressorState, ModelState
+
+from test_kv_pack import _same, _tiny_model
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+both_tiers = pytest.mark.gpu if CUDA else (lambda f: f)
+
+
+def _sim_keys(shape, d, g, scale=1.0):
+    """bf16 keys as the FP4 simulation leaves them (e2m1 values times a power of two per block of 32)."""
+    return fp4_act_quant_sim_ref((torch.randn(*shape, d, generator=g) * scale).bfloat16(), 32)
+
+
+def test_key_row_bytes_and_refusals():
+    assert key_row_bytes(128) == 80  # 64 bytes of codes + 4 scales, to 16
+    assert [key_row_bytes(d) for d in (32, 64, 96, 1024)] == [32, 48, 64, 544]
+    for d in (0, 48, 100):
+        with pytest.raises(ValueError, match="positive multiple of 32"):
+            key_row_bytes(d)
+    with pytest.raises(ValueError, match="keys must be bf16"):
+        key_pack_ref(torch.zeros(2, 128))
+    with pytest.raises(ValueError, match=r"want packed keys \[..., 80\]"):
+        key_unpack_ref(torch.zeros(2, 48, dtype=torch.uint8), 128)
+
+
+def test_key_pack_round_trip_is_exact():
+    g = torch.Generator().manual_seed(0)
+    v = _sim_keys((6, 5), 128, g, 3.0)
+    v[0, 0, :32] = 0  # an all-zero block (its scale is the floor's)
+    v[0, 1, :32] = fp4_act_quant_sim_ref(v[0, 1, :32].float() * 1e-30, 32).bfloat16()  # tiny scales
+    v[1, 0, 5] = -0.0
+    v[1, 1, 32:64] = fp4_act_quant_sim_ref(torch.full((32,), 0.25) * torch.arange(32), 32).bfloat16()  # every code
+    p = key_pack_ref(v)
+    assert p.dtype == torch.uint8 and p.shape == (6, 5, 80)
+    assert not p[..., 68:].any()  # zero padding
+    assert _same(key_unpack_ref(p, 128), v)
+    assert torch.equal(key_pack_ref(key_unpack_ref(p, 128)), p)
+    # the byte layout: element 2i in the low nibble of byte i, the scale's E8M0 byte after the codes
+    one = torch.zeros(1, 32, dtype=torch.bfloat16)
+    one[0, 0], one[0, 1], one[0, 2] = 0.5, -6.0, 1.5
+    q = key_pack_ref(one)
+    assert q[0, 0].item() == 0x1 | (0xF << 4) and q[0, 1].item() == 0x3 and q[0, 16].item() == 127
+    # a zero-filled row (a slot no window wrote) reads as zeros
+    assert not key_unpack_ref(torch.zeros(3, 80, dtype=torch.uint8), 128).float().any()
+
+
+def _fast_compressor():
+    pytest.importorskip("triton")
+    from dsv4.ops.compressor_triton import compressor
+    return compressor
+
+
+@pytest.mark.parametrize("d,chunks", [(64, [1, 1, 1, 6, 1, 9, 3])] + ([(128, [128, 1, 1, 37, 1, 1, 1])] if CUDA else []))
+@both_tiers
+def test_compressor_keys_packed(d, chunks):
+    # the indexer's compressor (CSA: ratio 4, overlapping, Hadamard + FP4): decode steps and prefill chunks,
+    # reference and Triton; the packed keys hold exactly the values of the same backend's bf16 keys
+    ratio, C = 4, 2 * d
+    g = torch.Generator().manual_seed(d)
+    rope = Rope(64 if d >= 128 else 32, 160000.0, None, 4096, DEV)
+    ape = (torch.randn(ratio, C, generator=g) * 0.5).to(DEV)
+    norm_w = (1 + 0.1 * torch.randn(d, generator=g)).to(torch.bfloat16).to(DEV)
+    n = sum(chunks) + ratio
+    for op in (compressor_ref, _fast_compressor()):
+        plain = CompressorState(1, ratio, d, True, n, torch.bfloat16, DEV)
+        packed = CompressorState(1, ratio, d, True, n, torch.bfloat16, DEV, packed="key")
+        assert packed.entries.dtype == torch.uint8 and packed.entries.shape[-1] == key_row_bytes(d)
+        p = 0
+        for S in chunks:
+            c, gg = torch.randn(1, S, C, generator=g).to(DEV), torch.randn(1, S, C, generator=g).to(DEV)
+            start = torch.tensor([p], device=DEV)
+            for st in (plain, packed):
+                op(c, gg, ape, norm_w, 1e-6, rope.cos, rope.sin, st.kv, st.score, st.entries, start, ratio, True,
+                   "fp4")
+            p += S
+            assert torch.equal(plain.kv, packed.kv) and torch.equal(plain.score, packed.score)
+            assert _same(key_unpack_ref(packed.entries, d), plain.entries), (op, p)
+        assert packed.entries[0, : p // ratio].any(-1).all()
+    with pytest.raises(ValueError, match="packed entries need quant"):
+        compressor_ref(c, gg, ape, norm_w, 1e-6, rope.cos, rope.sin, packed.kv, packed.score, packed.entries,
+                       start, ratio, True, None)
+
+
+def _fast_scores():
+    pytest.importorskip("triton")
+    from dsv4.ops.indexer_triton import indexer_scores
+    return indexer_scores
+
+
+@pytest.mark.parametrize("B,S,H,d,N", [(1, 1, 4, 64, 37), (2, 3, 5, 32, 70)]
+                         + ([(1, 1, 64, 128, 32768 + 17), (1, 128, 64, 128, 4096)] if CUDA else []))
+@both_tiers
+def test_scores_on_packed_keys_equal_scores_on_their_values(B, S, H, d, N):
+    # reference numerics (bf16 q, FP4-simulated keys): each backend scores the packed keys bit for bit as it
+    # scores their bf16 values, including zero-filled rows (entries no window wrote)
+    g = torch.Generator().manual_seed(N + d)
+    q = fp4_act_quant_sim_ref(torch.randn(B, S, H, d, generator=g).bfloat16(), 32).to(DEV)
+    w = torch.randn(B, S, H, generator=g).bfloat16().to(DEV)
+    k = _sim_keys((B, N), d, g, 2.0)
+    k[:, -3:] = 0
+    kp = key_pack_ref(k)
+    kp[:, -3:] = 0
+    k, kp = k.to(DEV), kp.to(DEV)
+    for op in (indexer_scores_ref, _fast_scores()):
+        assert _same(op(q, w, kp, True, 0.125), op(q, w, k, True, 0.125)), op
+    # outside the packed kernel's cases (fp32 scores): the reference reads them
+    assert _same(_fast_scores()(q, w, kp, False, 0.125), indexer_scores_ref(q, w, k, False, 0.125))
+    with pytest.raises(ValueError, match="packed keys"):
+        _fast_scores()(q, w, kp[..., :-16], True)
+
+
+@pytest.mark.parametrize("backend", ["ref"] + ([pytest.param("fast", marks=pytest.mark.gpu)] if CUDA else []))
+def test_model_with_packed_keys_equals_a_bf16_state(backend):
+    # prefill chunks and decode steps past every compressor boundary: the same logits bit for bit, and the packed
+    # keys hold the bf16 state's values; with both packings at once as well
+    from dsv4 import ops
+
+    raw, model = _tiny_model(7)
+    cfg = model.cfg
+    model = model.to(DEV)
+    ids = torch.randint(0, raw["vocab_size"], (1, 30), generator=torch.Generator().manual_seed(2)).to(DEV)
+    ops.configure(backend, DEV)
+    try:
+        assert not model.new_state(8).keys_packed  # off by default
+        for kw in (dict(keys_fp4=True), dict(keys_fp4=True, kv_fp8=True)):
+            packed = model.new_state(40, **kw)
+            assert packed.keys_packed and packed.blocks[0].indexer.entries.dtype == torch.uint8
+            plain = ModelState(cfg, 1, 40, torch.bfloat16, DEV)
+            with torch.no_grad():
+                for a, b in ((0, 11), (11, 12), (12, 13), (13, 22), (22, 23), (23, 24), (24, 30)):
+                    assert _same(model(ids[:, a:b], packed), model(ids[:, a:b], plain)), (kw, a, b)
+            for bp, bb in zip(packed.blocks, plain.blocks):
+                if bb.indexer is not None:
+                    assert _same(key_unpack_ref(bp.indexer.entries, cfg.index_head_dim), bb.indexer.entries)
+    finally:
+        ops.configure("ref", "cpu")
