@@ -1,7 +1,6 @@
-"""Packed FP4 indexer keys (dsv4/ops/kv_pack.py): the format, the writers (the compressor's indexer keys: reference
-and Triton, decode steps and prefill chunks) and the readers (indexer_scores: reference and Triton) against the bf16
-keys they stand for, bit for bit; and a whole model whose indexer keys are packed against the same model on a bf16
-state. Interpreted on the CPU at small widths; the Flash width (d = 128, 64 heads, 32K entries) on a GPU."""
+"""Packed FP4 indexer keys (dsv4/ops/kv_pack.py): the format and the readers (indexer_scores: reference and Triton)
+against the bf16 keys they stand for, bit for bit (the writer, the compressor: test_kv_pack.py); and a whole model
+whose indexer keys are packed against the same model on a bf16 state. Interpreted on the CPU at small widths; the Flash width (d = 128, 64 heads, 32K entries) on a GPU."""
 
 import pytest
 import torch
@@ -58,41 +57,14 @@ def test_key_pack_round_trip_is_exact():
     assert not key_unpack_ref(torch.zeros(3, 80, dtype=torch.uint8), 128).float().any()
 
 
-def _fast_compressor():
-    pytest.importorskip("triton")
-    from dsv4.ops.compressor_triton import compressor
-    return compressor
-
-
-@pytest.mark.parametrize("d,chunks", [(64, [1, 1, 1, 6, 1, 9, 3])] + ([(128, [128, 1, 1, 37, 1, 1, 1])] if CUDA else []))
-@both_tiers
-def test_compressor_keys_packed(d, chunks):
-    # the indexer's compressor (CSA: ratio 4, overlapping, Hadamard + FP4): decode steps and prefill chunks,
-    # reference and Triton; the packed keys hold exactly the values of the same backend's bf16 keys
-    ratio, C = 4, 2 * d
-    g = torch.Generator().manual_seed(d)
-    rope = Rope(64 if d >= 128 else 32, 160000.0, None, 4096, DEV)
-    ape = (torch.randn(ratio, C, generator=g) * 0.5).to(DEV)
-    norm_w = (1 + 0.1 * torch.randn(d, generator=g)).to(torch.bfloat16).to(DEV)
-    n = sum(chunks) + ratio
-    for op in (compressor_ref, _fast_compressor()):
-        plain = CompressorState(1, ratio, d, True, n, torch.bfloat16, DEV)
-        packed = CompressorState(1, ratio, d, True, n, torch.bfloat16, DEV, packed="key")
-        assert packed.entries.dtype == torch.uint8 and packed.entries.shape[-1] == key_row_bytes(d)
-        p = 0
-        for S in chunks:
-            c, gg = torch.randn(1, S, C, generator=g).to(DEV), torch.randn(1, S, C, generator=g).to(DEV)
-            start = torch.tensor([p], device=DEV)
-            for st in (plain, packed):
-                op(c, gg, ape, norm_w, 1e-6, rope.cos, rope.sin, st.kv, st.score, st.entries, start, ratio, True,
-                   "fp4")
-            p += S
-            assert torch.equal(plain.kv, packed.kv) and torch.equal(plain.score, packed.score)
-            assert _same(key_unpack_ref(packed.entries, d), plain.entries), (op, p)
-        assert packed.entries[0, : p // ratio].any(-1).all()
+def test_compressor_refuses_packed_entries_without_a_simulation():
+    # (the compressor's packed keys against its bf16 keys: test_kv_pack.test_compressor_entries_packed)
+    st = CompressorState(1, 4, 64, True, 16, torch.bfloat16, "cpu", packed="key")
+    rope = Rope(32, 160000.0, None, 64, "cpu")
+    c = torch.randn(1, 1, 128)
     with pytest.raises(ValueError, match="packed entries need quant"):
-        compressor_ref(c, gg, ape, norm_w, 1e-6, rope.cos, rope.sin, packed.kv, packed.score, packed.entries,
-                       start, ratio, True, None)
+        compressor_ref(c, c, torch.zeros(4, 128), torch.ones(64, dtype=torch.bfloat16), 1e-6, rope.cos, rope.sin,
+                       st.kv, st.score, st.entries, torch.tensor([3]), 4, True, None)
 
 
 def _fast_scores():

@@ -1,6 +1,7 @@
 """Packed FP8 K = V rows (dsv4/ops/kv_pack.py): the format, every reader (sparse_attn: reference, Triton, CUDA) and
-every writer (qkv_norm_rope's ring / chunk rows, the compressor's entries: reference and Triton) against the bf16
-rows they stand for, bit for bit; and a whole model whose state is packed against the same model on a bf16 state.
+every writer (qkv_norm_rope's ring / chunk rows, the compressor's entries: reference and Triton, also its packed FP4
+indexer keys, whose format and readers tests/ops/test_key_pack.py covers) against the bf16 rows they stand for, bit
+for bit; and a whole model whose state is packed against the same model on a bf16 state.
 Interpreted on the CPU at small widths; Flash widths (and the CUDA decode kernel) on a GPU."""
 
 import pytest
@@ -11,7 +12,7 @@ from dsv4.model.layers import Numerics, Rope
 from dsv4.model.transformer import Transformer
 from dsv4.ops.act_quant import act_quant_sim_ref
 from dsv4.ops.compressor import compressor_ref
-from dsv4.ops.kv_pack import kv_pack_ref, kv_row_bytes, kv_unpack_ref, packed_row_dim
+from dsv4.ops.kv_pack import key_row_bytes, key_unpack_ref, kv_pack_ref, kv_row_bytes, kv_unpack_ref, packed_row_dim
 from dsv4.ops.rope import qkv_norm_rope_ref
 from dsv4.ops.sparse_attn import sparse_attn_ref
 from dsv4.state import CompressorState, ModelState
@@ -153,35 +154,39 @@ def test_kv_writers_store_the_simulations_codes(D):
         qkv_norm_rope(q, kv, w, 1e-6, cos, sin, True, D - 128, pack=True)
 
 
-@pytest.mark.parametrize("ratio,overlap,D,chunks", [(4, True, 128, [1, 1, 1, 6, 1, 9, 3]),
-                                                    (8, False, 128, [5, 1, 13, 1, 1, 20])]
-                         + ([(4, True, 512, [128, 1, 1, 37]), (128, False, 512, [100, 1, 60, 1])] if CUDA else []))
+@pytest.mark.parametrize("ratio,overlap,D,chunks,quant", [(4, True, 128, [1, 1, 1, 6, 1, 9, 3], "fp8"),
+                                                          (8, False, 128, [5, 1, 13, 1, 1, 20], "fp8"),
+                                                          (4, True, 64, [1, 1, 1, 6, 1, 9, 3], "fp4")]
+                         + ([(4, True, 512, [128, 1, 1, 37], "fp8"), (128, False, 512, [100, 1, 60, 1], "fp8"),
+                             (4, True, 128, [128, 1, 1, 37, 1, 1, 1], "fp4")] if CUDA else []))
 @both_tiers
-def test_compressor_entries_packed(ratio, overlap, D, chunks):
-    # decode steps (S = 1) and prefill chunks, reference and Triton: the packed entries hold exactly the values of
-    # the same backend's bf16 entries (the state beside them bit for bit)
+def test_compressor_entries_packed(ratio, overlap, D, chunks, quant):
+    # decode steps (S = 1) and prefill chunks, reference and Triton: the packed entries (FP8 K = V rows, or the
+    # indexer's FP4 keys) hold exactly the values of the same backend's bf16 entries (the state beside them bit for bit)
     from dsv4.ops.compressor_triton import compressor as fast
 
+    kind, width, unpack = (("kv", kv_row_bytes, kv_unpack_ref) if quant == "fp8" else
+                           ("key", key_row_bytes, key_unpack_ref))
     g = torch.Generator().manual_seed(ratio + D)
     C = (2 if overlap else 1) * D
-    rope = Rope(64, 160000.0, None, 4096, DEV)
+    rope = Rope(64 if D >= 128 else 32, 160000.0, None, 4096, DEV)
     ape = (torch.randn(ratio, C, generator=g) * 0.5).to(DEV)
     norm_w = (1 + 0.1 * torch.randn(D, generator=g)).to(torch.bfloat16).to(DEV)
     n = sum(chunks) + ratio
     for op in (compressor_ref, fast):
         plain = CompressorState(1, ratio, D, overlap, n, torch.bfloat16, DEV)
-        packed = CompressorState(1, ratio, D, overlap, n, torch.bfloat16, DEV, packed="kv")
-        assert packed.entries.dtype == torch.uint8 and packed.entries.shape[-1] == kv_row_bytes(D)
+        packed = CompressorState(1, ratio, D, overlap, n, torch.bfloat16, DEV, packed=kind)
+        assert packed.entries.dtype == torch.uint8 and packed.entries.shape[-1] == width(D)
         p = 0
         for S in chunks:
             c, gg = torch.randn(1, S, C, generator=g).to(DEV), torch.randn(1, S, C, generator=g).to(DEV)
             start = torch.tensor([p], device=DEV)
             for st in (plain, packed):
                 op(c, gg, ape, norm_w, 1e-6, rope.cos, rope.sin, st.kv, st.score, st.entries, start, ratio, overlap,
-                   "fp8")
+                   quant)
             p += S
             assert torch.equal(plain.kv, packed.kv) and torch.equal(plain.score, packed.score)
-            assert _same(kv_unpack_ref(packed.entries, D), plain.entries), (op, p)
+            assert _same(unpack(packed.entries, D), plain.entries), (op, p)
         assert packed.entries[0, : p // ratio].any(-1).all()
 
 
