@@ -125,8 +125,10 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, low_precis
     """q [B,S,H,d], w [B,S,H], k [B,N,d] (or packed FP4 keys [B,N,key_row_bytes(d)] uint8) -> [B,S,N]
     (indexer_scores_ref's contract)."""
     packed = is_packed(k)
-    kw = key_row_bytes(q.shape[3]) if packed and q.dim() == 4 and q.shape[3] % KEY_BLOCK == 0 else q.shape[-1]
-    if q.dim() != 4 or w.shape != q.shape[:3] or k.dim() != 3 or k.shape[0] != q.shape[0] or k.shape[2] != kw:
+    if q.dim() != 4:
+        raise ValueError(f"indexer_scores: q {tuple(q.shape)} is not [B,S,H,d]")
+    kw = key_row_bytes(q.shape[3]) if packed and q.shape[3] % KEY_BLOCK == 0 else q.shape[3]
+    if w.shape != q.shape[:3] or k.dim() != 3 or k.shape[0] != q.shape[0] or k.shape[2] != kw:
         raise ValueError(f"indexer_scores: q {tuple(q.shape)}, w {tuple(w.shape)}, k {tuple(k.shape)} do not "
                          f"match [B,S,H,d], [B,S,H], [B,N,d] (packed keys: [B,N,key_row_bytes(d)] uint8)")
     if packed:

@@ -127,7 +127,8 @@ def packed_key_dim(t: torch.Tensor, dim: int) -> None:
     """Raise unless t is packed keys of `dim` dims ([..., key_row_bytes(dim)] uint8, unit stride on the bytes)."""
     kb = key_row_bytes(dim)
     if t.dtype != torch.uint8 or t.shape[-1] != kb or (t.shape[-1] > 0 and t.stride(-1) != 1):
-        raise ValueError(f"kv_pack: want packed keys [..., {kb}] uint8 of {dim} dims, got {t.dtype}{tuple(t.shape)}")
+        raise ValueError(f"kv_pack: want packed keys [..., {kb}] uint8 of {dim} dims (unit stride on the bytes), got "
+                         f"{t.dtype}{tuple(t.shape)} with strides {t.stride()}")
 
 
 def key_pack_parts(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -137,8 +137,9 @@ def packed_key_tile(u8_ptr, rows, ok, R: tl.constexpr, D: tl.constexpr):
     col = blk[:, None] * 16 + tl.arange(0, 16)[None, :]
     b = tl.load(u8_ptr + rows[:, None, None] + col[None, :, :], mask=ok[:, None, None], other=0).to(tl.int32)
     sb = tl.load(u8_ptr + rows[:, None] + (D // 2 + blk)[None, :], mask=ok[:, None], other=0).to(tl.int32)
-    s = ((sb + 14) << 23).to(tl.float32, bitcast=True)[:, :, None]  # 2^(byte - 127) / 2^-14 (byte 0: a zero row)
-    return tl.reshape(tl.join(e2m1_f16(b & 15) * s, e2m1_f16(b >> 4) * s), (R, D))
+    s = (sb << 23).to(tl.float32, bitcast=True)[:, :, None]  # 2^(byte - 127) (byte 0: a zero row, 0)
+    # times 2^14 (exact, the fp16 embedding's factor), then the scale: both exact for every scale byte 1..254
+    return tl.reshape(tl.join(e2m1_f16(b & 15) * 16384.0 * s, e2m1_f16(b >> 4) * 16384.0 * s), (R, D))
 
 
 @triton.jit
