@@ -117,6 +117,14 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     mdl.add_argument("--no-prefill-graphs", action="store_true",
                      help="on CUDA, run prefill chunks eagerly while decode keeps its per-layer CUDA graphs: saves "
                           "the prefill graphs' memory (about 2.4 GB for Flash) at about a third of the prefill speed")
+    mdl.add_argument("--kv-fp8", action="store_true",
+                     help="keep the state's K = V rows as packed FP8 rows (the reference numerics' own values in 42%% less "
+                          "memory for them; slower attention reads, and on a GPU the prefill attention sums them in "
+                          "another order). Needs --numerics reference and --dtype bfloat16")
+    mdl.add_argument("--keys-fp4", action="store_true",
+                     help="keep the Lightning Indexer's keys as packed FP4 rows (the same output, 69%% less memory for "
+                          "them; faster decode near 128K of context, slower prefill). Needs --numerics reference and "
+                          "--dtype bfloat16")
     mdl.add_argument("--kernels", metavar="SPEC",
                      help="op backends: fast (Triton/CUDA kernels; the default on CUDA), ref (the PyTorch "
                           "reference ops; the default on CPU), or per op, e.g. fast,sparse_attn=ref; the run "
@@ -397,6 +405,10 @@ def validate(args) -> tuple[list[str], dict]:
             raise UsageError(f"--logprobs must be in [0, {MAX_LOGPROBS}], got {args.logprobs}")
     if any(s == "" for s in args.stop):
         raise UsageError("--stop needs a non-empty string")
+    packed = [f for f, on in (("--kv-fp8", args.kv_fp8), ("--keys-fp4", args.keys_fp4)) if on]
+    if packed and (args.numerics != "reference" or args.dtype != "bfloat16"):
+        raise UsageError(f"{' and '.join(packed)} {'needs' if len(packed) == 1 else 'need'} --numerics reference and "
+                         "--dtype bfloat16 (the rows it packs are that simulation's FP8 / FP4 values)")
     try:
         from dsv4 import ops
 
@@ -462,10 +474,13 @@ def run(args) -> int:
 
     import torch
 
-    status(f"loading {model_dir} on {','.join(devices)} ({args.numerics} numerics, {args.dtype}) ...")
+    packed = ", ".join(n for n, on in (("K = V rows FP8", args.kv_fp8), ("indexer keys FP4", args.keys_fp4)) if on)
+    status(f"loading {model_dir} on {','.join(devices)} ({args.numerics} numerics, {args.dtype}"
+           f"{', state: ' + packed if packed else ''}) ...")
     engine = Engine.from_pretrained(info, device=devices, max_context=max_context, numerics=args.numerics,
                                     dtype=getattr(torch, args.dtype), graphs=not args.eager, kernels=args.kernels,
-                                    prefill_graphs=not args.no_prefill_graphs)
+                                    prefill_graphs=not args.no_prefill_graphs, kv_fp8=args.kv_fp8,
+                                    keys_fp4=args.keys_fp4)
     from dsv4 import ops
 
     status(ops.banner(engine.kernels))

@@ -268,7 +268,8 @@ class Engine:
 
     def __init__(self, model, tokenizer, max_context: int, release: str = "preview", *,
                  defaults: SamplingParams | None = None, eos_ids: frozenset[int] | None = None,
-                 load_s: float | None = None, graphs: bool = True, prefill_graphs: bool = True):
+                 load_s: float | None = None, graphs: bool = True, prefill_graphs: bool = True,
+                 kv_fp8: bool = False, keys_fp4: bool = False):
         limit = min(model.cfg.max_position_embeddings, getattr(model, "max_pos", None) or 1 << 62)
         if not 2 <= max_context <= limit:
             raise EngineError(f"max context {max_context} must be in [2, {limit}] for this model")
@@ -278,7 +279,10 @@ class Engine:
         self.defaults = defaults or SamplingParams()
         self.eos_ids = eos_ids or frozenset({tokenizer.eos_id})
         self.load_s = load_s
-        self.state = model.new_state(max_context)
+        try:  # kv_fp8 / keys_fp4: packed rows in the state (Transformer.new_state), the same results
+            self.state = model.new_state(max_context, kv_fp8=kv_fp8, keys_fp4=keys_fp4)
+        except ValueError as e:
+            raise EngineError(str(e)) from None
         self.state_ids: list[int] | None = []  # tokens whose KV the state holds; None: unknown (reset)
         self.input_device = model.embed.weight.device  # ids enter at the embedding's device
         # On CUDA, decode replays one captured graph per layer over the same state the chunked prefill
@@ -318,7 +322,7 @@ class Engine:
                         device: str | list[str] | None = None, max_context: int | None = None,
                         numerics: str = "reference", dtype: torch.dtype = torch.bfloat16,
                         progress: bool = True, graphs: bool = True, kernels: str | None = None,
-                        prefill_graphs: bool = True) -> Engine:
+                        prefill_graphs: bool = True, kv_fp8: bool = False, keys_fp4: bool = False) -> Engine:
         """Load checkpoint `path` (None: the embedded demo checkpoint, generated on first use; or the
         CheckpointInfo that `inspect_model_dir` returned for it).
 
@@ -330,6 +334,8 @@ class Engine:
         per layer (False: those chunks run eagerly and the prefill graphs' memory is not taken).
         kernels: the op backends (`--kernels`: "ref", "fast" or "fast,op=ref,..."; None: fast on CUDA, ref on
         CPU), bound once here, before the weights are prepared and the graphs captured.
+        kv_fp8 / keys_fp4: keep the state's K = V rows / the indexer's keys as packed FP8 / FP4 rows (reference
+        numerics with bf16 activations; the same results in less memory, see Transformer.new_state).
         """
         devices = parse_devices(device)
         check_devices(devices)
@@ -358,7 +364,8 @@ class Engine:
                            max_pos=max_context, progress=progress)
         engine = cls(model, info.tokenizer, max_context, info.release,
                      defaults=_defaults_from(generation_config), eos_ids=_eos_ids(info.tokenizer, generation_config),
-                     load_s=time.perf_counter() - t0, graphs=graphs, prefill_graphs=prefill_graphs)
+                     load_s=time.perf_counter() - t0, graphs=graphs, prefill_graphs=prefill_graphs, kv_fp8=kv_fp8,
+                     keys_fp4=keys_fp4)
         engine.kernels = report
         return engine
 

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 OPTIONS = ("--prompt", "--prompt-file", "--messages", "--tools", "--system", "--interactive", "--raw",
            "--thinking-mode", "--reasoning-effort", "--max-new-tokens", "--temperature", "--top-p", "--top-k",
            "--seed", "--stop", "--model", "--device", "--max-context", "--numerics", "--dtype", "--eager",
-           "--no-prefill-graphs", "--kernels",
+           "--no-prefill-graphs", "--kv-fp8", "--keys-fp4", "--kernels",
            "--json", "--logprobs", "--show-special", "--debug", "--version")
 FAST = ["--max-new-tokens", "6", "--device", "cpu", "--max-context", "256"]
 
@@ -149,6 +149,8 @@ def call_main(capsys, *args):
     (["--logprobs", "2"], "error: --logprobs is reported in the --json object: add --json"),
     (["--logprobs", "21", "--json"], "error: --logprobs must be in [0, 20], got 21"),
     (["--stop", ""], "error: --stop needs a non-empty string"),
+    (["--kv-fp8", "--numerics", "exact"], "error: --kv-fp8 needs --numerics reference and --dtype bfloat16"),
+    (["--kv-fp8", "--keys-fp4", "--dtype", "float32"], "error: --kv-fp8 and --keys-fp4 need --numerics reference"),
     (["--raw", "--system", "x"], "error: --raw feeds the prompt without the chat template; it cannot be combined "
                                  "with --system"),
     (["extra positional"], "error: give the prompt once: PROMPT and --prompt both set it"),
@@ -589,6 +591,20 @@ def test_graph_flags_reach_the_engine(capsys, env, monkeypatch):
         code, _, _ = call_main(capsys, "Hi", *flags, *FAST, "--max-new-tokens", "1")
         assert code == 0
     assert seen == [(True, True), (True, False), (False, True)]
+
+
+def test_packed_state_gives_the_same_output(capsys, env):
+    # --kv-fp8 / --keys-fp4 keep the state packed (the same values): greedy decoding past the demo's compressor
+    # boundaries writes the same text and the same log-probabilities; the loading line names the packed rows
+    args = ("Hi", "--json", "--temperature", "0", "--logprobs", "2", *FAST, "--max-new-tokens", "24")
+    code, plain, _ = call_main(capsys, *args)
+    assert code == 0
+    code, packed, err = call_main(capsys, *args, "--kv-fp8", "--keys-fp4")
+    assert code == 0 and "state: K = V rows FP8, indexer keys FP4" in err
+    a, b = json.loads(plain), json.loads(packed)
+    assert a["usage"]["completion_tokens"] == 24
+    for key in ("content", "reasoning_content", "tool_calls", "logprobs"):
+        assert a[key] == b[key], key
 
 
 def test_short_flags(capsys, env, cache):

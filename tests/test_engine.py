@@ -452,6 +452,45 @@ def test_inspect_model_dir_rejects_a_foreign_tokenizer(tmp_path, tokenizer):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_packed_state_generates_what_a_bf16_state_generates(tokenizer):
+    # reference numerics in bf16 with the fast ops, prefill graphs and decode graphs: FP4 indexer keys give the bf16
+    # state's tokens and log-probabilities bit for bit; FP8 K = V rows as well give its tokens (the Triton prefill
+    # attention reads packed rows through another instruction schedule, so its sums may round apart)
+    from dsv4 import ops
+
+    raw = tiny_config([4, 0, 16], n_mtp=0, vocab=VOCAB, max_pos=1024, hidden=256, head_dim=128, rope_dim=64,
+                      index_dim=64, quantization_config=dict(quant_method="fp8", fmt="e4m3",
+                                                             activation_scheme="dynamic", scale_fmt="ue8m0",
+                                                             weight_block_size=[128, 128]))
+    ops.configure("fast", "cuda")
+    try:
+        model = random_model(raw, Numerics("reference", torch.bfloat16), seed=2).place(["cuda:0"])
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=24)
+        ids = prompt_ids(3 * 128 + 20, 7)
+        runs = {}
+        for kw in ({}, {"keys_fp4": True}, {"kv_fp8": True, "keys_fp4": True}):
+            engine = Engine(model, tokenizer, max_context=600, graphs=True, **kw)
+            assert engine.prefill is not None and engine.state.keys_packed == bool(kw)
+            runs[tuple(kw)] = engine.complete(ids, greedy, logprobs=2)
+            engine = None
+        plain, keys, both = runs[()], runs[("keys_fp4",)], runs[("kv_fp8", "keys_fp4")]
+        assert keys.token_ids == plain.token_ids and keys.logprobs == plain.logprobs
+        assert both.token_ids == plain.token_ids
+        assert all(abs(x["logprob"] - y["logprob"]) < 1e-3 for x, y in zip(both.logprobs, plain.logprobs))
+    finally:
+        ops.configure("ref", "cpu")
+
+
+def test_packed_state_needs_reference_numerics_in_bf16(tokenizer):
+    model = random_model(tiny_config([4], n_mtp=0, vocab=VOCAB), Numerics("exact", torch.float32), seed=1)
+    with pytest.raises(EngineError, match="an FP8 KV state needs reference numerics with bf16 activations"):
+        Engine(model, tokenizer, max_context=64, graphs=False, kv_fp8=True)
+    with pytest.raises(EngineError, match="FP4 indexer keys need reference numerics with bf16 activations"):
+        Engine(model, tokenizer, max_context=64, graphs=False, keys_fp4=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graph_decode_with_prefix_reuse_logprobs_and_stop(tokenizer):
     # the decode graphs replay over a state whose prefix came from an earlier request
     raw = tiny_config([4, 0, 16], n_mtp=0, vocab=VOCAB, max_pos=1024)
