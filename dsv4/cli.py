@@ -118,9 +118,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                      help="on CUDA, run prefill chunks eagerly while decode keeps its per-layer CUDA graphs: saves "
                           "the prefill graphs' memory (about 2.4 GB for Flash) at about a third of the prefill speed")
     mdl.add_argument("--kv-fp8", action="store_true",
-                     help="keep the state's K = V rows as packed FP8 rows (the reference numerics' own values in 42%% less "
-                          "memory for them; slower attention reads, and on a GPU the prefill attention sums them in "
-                          "another order). Needs --numerics reference and --dtype bfloat16")
+                     help="keep the state's K = V rows as packed FP8 rows (the reference numerics' own values in "
+                          "42%% less memory for them; slower attention reads, and on a GPU the prefill attention sums "
+                          "them in another order). Needs --numerics reference and --dtype bfloat16")
     mdl.add_argument("--keys-fp4", action="store_true",
                      help="keep the Lightning Indexer's keys as packed FP4 rows (the same output, 69%% less memory for "
                           "them; faster decode near 128K of context, slower prefill). Needs --numerics reference and "

@@ -488,7 +488,8 @@ def main(argv=None) -> int:
     floor_ms = FLOOR_GB_PER_TOKEN * 1e9 / (bw * 1e9) * 1e3
     print(f"\ndsv4 decode benchmark: {dev_name} x{len(set(devices))}, torch {torch.__version__}, "
           f"{args.layers} Flash layers ({', '.join(s.attn for s in cfg.layers)}), numerics {args.numerics}, batch 1, "
-          f"K = V rows {'FP8 packed' if args.kv_fp8 else 'bf16'}, indexer keys {'FP4 packed' if args.keys_fp4 else 'bf16'}")
+          f"K = V rows {'FP8 packed' if args.kv_fp8 else 'bf16'}, "
+          f"indexer keys {'FP4 packed' if args.keys_fp4 else 'bf16'}")
     print(f"device copy bandwidth {bw:.0f} GB/s -> floor for {FLOOR_GB_PER_TOKEN} GB/token: {floor_ms:.2f} ms")
     hdr = f"{'context':>8} | {'mode':>5} | {'token ms':>9} | {'per-layer ms (' + ','.join(s.attn for s in cfg.layers) + ')':<40} | {'GB/tok':>7} | {'GB/s':>7} | {'% copy BW':>9} | {'proj. 43L ms':>12}"
     print(hdr)

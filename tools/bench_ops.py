@@ -253,9 +253,10 @@ INDEXER = [("indexer.1k", 1024), ("indexer.16k", 16384), ("indexer.128k", 131072
 
 def indexer_cases(dev, randn):
     """A CSA layer's Lightning Indexer at Flash shapes (64 heads x 128, k = 512 of context / 4 entries): `.scores` (bf16
-    scores of M queries, reference numerics; bytes: q, w, the keys, the scores; `.scores.fp4`: the keys packed FP4) and `.topk` (the top-512 list per query;
-    bytes: the scores, the list), the latter with a `.triton` twin (the dispatching fast op runs the CUDA kernel where
-    indexer_cuda.topk_prefers says it is the faster). M is the number of queries."""
+    scores of M queries, reference numerics; bytes: q, w, the keys, the scores), `.scores.fp4` (the same on packed FP4
+    keys) and `.topk` (the top-512 list per query; bytes: the scores, the list), the latter with a `.triton` twin (the
+    dispatching fast op runs the CUDA kernel where indexer_cuda.topk_prefers says it is the faster). M is the number
+    of queries."""
     import torch
 
     H, d, k = 64, 128, 512

@@ -11,8 +11,9 @@ power of two finish through reference ops after the pool):
    finishes the whole row (`_finish_row`): bf16 cast, weighted RMSNorm, RoPE at the window's first position, the
    FP8 simulation of the no-RoPE dims (block 64) or, for the indexer's keys, the Hadamard rotation + FP4
    simulation of the row (dsv4/ops/hadamard_triton.py's helpers, bit for bit rotate_fp4_ref), and the insert at
-   the window's entry (uint8 entries: packed rows, the simulation's FP8 or FP4 codes and scales, kv_pack.py). It reads the complete scratch row, so the bits do not depend on which program is last. A
-   window that stays open leaves its entry row as it is.
+   the window's entry (uint8 entries: packed rows, the simulation's FP8 or FP4 codes and scales, kv_pack.py). It
+   reads the complete scratch row, so the bits do not depend on which program is last. A window that stays open
+   leaves its entry row as it is.
 The kernel runs beside the layer's large GEMVs, whose weight streams make every dependent round trip to memory
 slow, so it keeps those few: all loads issued up front, the new state written from registers, the finished row kept
 in registers from its scratch load to its one store.

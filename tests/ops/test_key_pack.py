@@ -1,6 +1,7 @@
 """Packed FP4 indexer keys (dsv4/ops/kv_pack.py): the format and the readers (indexer_scores: reference and Triton)
 against the bf16 keys they stand for, bit for bit (the writer, the compressor: test_kv_pack.py); and a whole model
-whose indexer keys are packed against the same model on a bf16 state. Interpreted on the CPU at small widths; the Flash width (d = 128, 64 heads, 32K entries) on a GPU."""
+whose indexer keys are packed against the same model on a bf16 state. Interpreted on the CPU at small widths; the
+Flash width (d = 128, 64 heads, 32K entries) on a GPU."""
 
 import pytest
 import torch
