@@ -123,8 +123,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                           "them in another order). Needs --numerics reference and --dtype bfloat16")
     mdl.add_argument("--keys-fp4", action="store_true",
                      help="keep the Lightning Indexer's keys as packed FP4 rows (the same output, 69%% less memory for "
-                          "them; faster decode near 128K of context, slower prefill). Needs --numerics reference and "
-                          "--dtype bfloat16")
+                          "them; faster decode near 128K of context, slower at 1M and in prefill). Needs --numerics "
+                          "reference and --dtype bfloat16")
     mdl.add_argument("--kernels", metavar="SPEC",
                      help="op backends: fast (Triton/CUDA kernels; the default on CUDA), ref (the PyTorch "
                           "reference ops; the default on CPU), or per op, e.g. fast,sparse_attn=ref; the run "
