@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from dsv4.ops.kv_pack import ROPE, is_packed, packed_dim
-from dsv4.ops.triton_util import packed_kv_cols, rope_pairs
+from dsv4.ops.triton_util import packed_kv_chunk, rope_pairs
 
 BLOCK = 64  # slots per online-softmax step, as sparse_attn_ref and DeepSeek's kernel
 
@@ -141,25 +141,25 @@ def _slots(blk, iw_row, ic_row, Lw, Lc, siw_l, sic_l, w_off, c_off, skw_n, skc_n
 
 
 @triton.jit
-def _k_chunk(kw_ptr, k16_ptr, rows, v2, offs_c, c_ok, j: tl.constexpr, DC: tl.constexpr, PACKED: tl.constexpr,
+def _k_chunk(kw_ptr, k16_ptr, rows, valid, offs_c, c_ok, j: tl.constexpr, DC: tl.constexpr, PACKED: tl.constexpr,
              NOPE: tl.constexpr):
     """Column chunk j (DC columns) of a block's K = V rows: loaded as they are, or the exact values of packed rows."""
     if PACKED:
         # bf16 like the rows it stands for (exact), so that both forms meet the dots in the same dtype
-        return packed_kv_cols(kw_ptr, k16_ptr, rows, j * DC + offs_c, v2 & c_ok[None, :], NOPE).to(tl.bfloat16)
+        return packed_kv_chunk(kw_ptr, k16_ptr, rows, valid, valid.shape[0], j * DC, DC, NOPE).to(tl.bfloat16)
     else:
-        return tl.load(kw_ptr + rows[:, None] + j * DC + offs_c[None, :], mask=v2 & c_ok[None, :], other=0.0)
+        return tl.load(kw_ptr + rows[:, None] + j * DC + offs_c[None, :], mask=valid[:, None] & c_ok[None, :],
+                       other=0.0)
 
 
 @triton.jit
 def _logits(kw_ptr, k16_ptr, rows, valid, q0, q1, q2, q3, offs_c, c_ok0, c_ok1, c_ok2, c_ok3, scale, DC: tl.constexpr,
             OPT: tl.constexpr, PACKED: tl.constexpr, NOPE: tl.constexpr):
     """Gather a block's K = V rows (four column chunks) and its logits s = (q.k) * scale, -inf where invalid."""
-    v2 = valid[:, None]
-    k0 = _k_chunk(kw_ptr, k16_ptr, rows, v2, offs_c, c_ok0, 0, DC, PACKED, NOPE)
-    k1 = _k_chunk(kw_ptr, k16_ptr, rows, v2, offs_c, c_ok1, 1, DC, PACKED, NOPE)
-    k2 = _k_chunk(kw_ptr, k16_ptr, rows, v2, offs_c, c_ok2, 2, DC, PACKED, NOPE)
-    k3 = _k_chunk(kw_ptr, k16_ptr, rows, v2, offs_c, c_ok3, 3, DC, PACKED, NOPE)
+    k0 = _k_chunk(kw_ptr, k16_ptr, rows, valid, offs_c, c_ok0, 0, DC, PACKED, NOPE)
+    k1 = _k_chunk(kw_ptr, k16_ptr, rows, valid, offs_c, c_ok1, 1, DC, PACKED, NOPE)
+    k2 = _k_chunk(kw_ptr, k16_ptr, rows, valid, offs_c, c_ok2, 2, DC, PACKED, NOPE)
+    k3 = _k_chunk(kw_ptr, k16_ptr, rows, valid, offs_c, c_ok3, 3, DC, PACKED, NOPE)
     sc = _dot(q0, tl.trans(k0), OPT)
     sc = _dot_acc(q1, tl.trans(k1), sc, OPT)
     sc = _dot_acc(q2, tl.trans(k2), sc, OPT)

@@ -6,8 +6,8 @@ bf16 the rounding is written out on the bits: the Triton interpreter (CPU tests)
 the GPU's cvt.rn rounds; written out, both give the same bits. `cast(v, dtype)`: the same, in dtype.
 `rope_pairs(a, b, cos, sin, inverse)`: one RoPE rotation of interleaved pairs in fp32, as rope_ref.
 `arrival_counters(device, name, n)`: the zeroed int32 counters of a "last program to arrive finishes" kernel.
-`e4m3_bits(q)` / `e4m3_value(c)`: a value on the e4m3 grid <-> its byte; `packed_kv_cols(...)`: columns of packed
-FP8 K = V rows (dsv4/ops/kv_pack.py) as their exact values; `store_packed_kv(...)`: one row stored in that form;
+`e4m3_bits(q)`: a value on the e4m3 grid -> its byte; `packed_kv_chunk(...)`: a column chunk of
+packed FP8 K = V rows (dsv4/ops/kv_pack.py) as their exact values; `store_packed_kv(...)`: one row stored in that form;
 `e2m1_f16(n)` / `packed_key_tile(...)`: FP4 codes as exact values, a tile of packed FP4 indexer keys.
 """
 
@@ -99,25 +99,25 @@ def e4m3_bits(q):
 
 
 @triton.jit
-def e4m3_value(c):
-    """An e4m3 byte (int32, 0..255) -> its value in fp32 (exact; the NaN codes are not produced by any writer)."""
-    E = (c >> 3) & 15
-    m = c & 7
-    v = tl.where(E > 0, (((E + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True), m.to(tl.float32) * 0.001953125)
-    return tl.where((c & 0x80) != 0, -v, v)
-
-
-@triton.jit
-def packed_kv_cols(u8_ptr, b16_ptr, rows, cols, mask, NOPE: tl.constexpr):
-    """Columns `cols` [C] of packed K = V rows (byte offsets `rows` [R] from u8_ptr; b16_ptr is the same memory as
-    bf16) -> their values [R, C] in fp32, exact (0 where masked): e4m3 code x 2^(scale byte - 127) below NOPE, the
-    bf16 RoPE dims above."""
-    nope = (cols < NOPE)[None, :]
-    code = tl.load(u8_ptr + rows[:, None] + cols[None, :], mask=mask & nope, other=0).to(tl.int32)
-    sb = tl.load(u8_ptr + rows[:, None] + (NOPE + 128 + cols // 64)[None, :], mask=mask & nope, other=0).to(tl.int32)
-    rope = tl.load(b16_ptr + (rows // 2)[:, None] + (NOPE // 2 + cols - NOPE)[None, :], mask=mask & (cols >= NOPE)[None, :],
-                   other=0.0)
-    return tl.where(nope, e4m3_value(code) * (sb << 23).to(tl.float32, bitcast=True), rope.to(tl.float32))
+def packed_kv_chunk(u8_ptr, b16_ptr, rows, ok, R: tl.constexpr, C0: tl.constexpr, DC: tl.constexpr,
+                    NOPE: tl.constexpr):
+    """Columns C0 .. C0 + DC of packed K = V rows (byte offsets `rows` [R] from u8_ptr; b16_ptr is the same memory as
+    bf16) -> their values [R, DC] in fp32, exact (0 where not ok). The chunk is cut into pieces of SUB = min(DC, 64)
+    columns (C0 a multiple of SUB; NOPE of 64): a piece is either e4m3 codes, converted by the hardware's cvt and
+    times its block's scale byte (loaded once a piece), or bf16 RoPE dims."""
+    SUB: tl.constexpr = DC if DC < 64 else 64
+    NB: tl.constexpr = DC // SUB
+    piece = C0 // SUB + tl.arange(0, NB)
+    isn = piece * SUB < NOPE  # [NB]: a piece of codes
+    col = piece[:, None] * SUB + tl.arange(0, SUB)[None, :]  # [NB, SUB]
+    m_n = ok[:, None, None] & isn[None, :, None]
+    code = tl.load(u8_ptr + rows[:, None, None] + col[None, :, :], mask=m_n, other=0)
+    sb = tl.load(u8_ptr + rows[:, None] + (NOPE + 128 + piece * SUB // 64)[None, :], mask=ok[:, None] & isn[None, :],
+                 other=0).to(tl.int32)
+    nope = code.to(tl.float8e4nv, bitcast=True).to(tl.float32) * (sb << 23).to(tl.float32, bitcast=True)[:, :, None]
+    rope = tl.load(b16_ptr + (rows // 2)[:, None, None] + (NOPE // 2 + col - NOPE)[None, :, :],
+                   mask=ok[:, None, None] & ~isn[None, :, None], other=0.0)
+    return tl.reshape(tl.where(isn[None, :, None], nope, rope.to(tl.float32)), (R, DC))
 
 
 @triton.jit
