@@ -104,7 +104,8 @@ def packed_kv_chunk(u8_ptr, b16_ptr, rows, ok, R: tl.constexpr, C0: tl.constexpr
     """Columns C0 .. C0 + DC of packed K = V rows (byte offsets `rows` [R] from u8_ptr; b16_ptr is the same memory as
     bf16) -> their values [R, DC] in fp32, exact (0 where not ok). The chunk is cut into pieces of SUB = min(DC, 64)
     columns (C0 a multiple of SUB; NOPE of 64): a piece is either e4m3 codes, converted by the hardware's cvt and
-    times its block's scale byte (loaded once a piece), or bf16 RoPE dims."""
+    times its block's scale byte (loaded once a piece), or bf16 RoPE dims, or (past the row's NOPE + 64 dims, where
+    a power-of-two tile overhangs it) zeros."""
     SUB: tl.constexpr = DC if DC < 64 else 64
     NB: tl.constexpr = DC // SUB
     piece = C0 // SUB + tl.arange(0, NB)
@@ -115,8 +116,9 @@ def packed_kv_chunk(u8_ptr, b16_ptr, rows, ok, R: tl.constexpr, C0: tl.constexpr
     sb = tl.load(u8_ptr + rows[:, None] + (NOPE + 128 + piece * SUB // 64)[None, :], mask=ok[:, None] & isn[None, :],
                  other=0).to(tl.int32)
     nope = code.to(tl.float8e4nv, bitcast=True).to(tl.float32) * (sb << 23).to(tl.float32, bitcast=True)[:, :, None]
+    inr = ~isn & (piece * SUB < NOPE + 64)  # RoPE dims (a chunk may reach past the row's D = NOPE + 64: zeros)
     rope = tl.load(b16_ptr + (rows // 2)[:, None, None] + (NOPE // 2 + col - NOPE)[None, :, :],
-                   mask=ok[:, None, None] & ~isn[None, :, None], other=0.0)
+                   mask=ok[:, None, None] & inr[None, :, None], other=0.0)
     return tl.reshape(tl.where(isn[None, :, None], nope, rope.to(tl.float32)), (R, DC))
 
 

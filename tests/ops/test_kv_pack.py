@@ -81,9 +81,18 @@ def _attn_case(D, B, S, H, Nw, Nc, Lw, Lc, seed):
 
 
 ATTN_CASES = [(128, 2, 1, 16, 16, 9, 16, 8), (128, 2, 3, 16, 16, 20, 16, 24), (128, 1, 2, 16, 8, 70, 8, 72),
-              (256, 1, 2, 16, 8, 40, 8, 40)]  # (column chunks of 32, and of 64 at D = 256)
+              (256, 1, 2, 16, 8, 40, 8, 40),  # (column chunks of 32, and of 64 at D = 256)
+              (192, 1, 2, 16, 8, 40, 8, 40)]  # (a 256-wide tile overhanging the row: its last chunk reads nothing)
 ATTN_GPU = [(512, 1, 1, 64, 128, 300, 128, 512), (512, 1, 1, 64, 128, 1100, 128, 1024), (512, 2, 4, 64, 136, 40, 136, 0),
             (512, 1, 128, 64, 256, 600, 256, 512)]
+
+
+def _nan_padded(p: torch.Tensor) -> torch.Tensor:
+    """Packed rows p [B, N, RB] as a view into rows of RB + 64 bytes whose tails are 0xFF (NaN as bf16): a reader
+    that reads past a row's bytes gets NaN into its result."""
+    big = torch.full((*p.shape[:-1], p.shape[-1] + 64), 0xFF, dtype=torch.uint8, device=p.device)
+    big[..., :p.shape[-1]] = p
+    return big[..., :p.shape[-1]]
 
 
 @pytest.mark.parametrize("case", ATTN_CASES + (ATTN_GPU if CUDA else []))
@@ -95,7 +104,7 @@ def test_sparse_attn_reads_packed_rows_as_their_values(case):
     q, kw, iw, kc, ic, sink, cos, sin = _attn_case(D, B, S, H, Nw, Nc, Lw, Lc, seed=sum(case))
     if Lc == 0:
         kc = ic = None
-    pw, pc = kv_pack_ref(kw), (kv_pack_ref(kc) if kc is not None else None)
+    pw, pc = _nan_padded(kv_pack_ref(kw)), (_nan_padded(kv_pack_ref(kc)) if kc is not None else None)
     args = (sink, 0.0625, cos, sin)
     ref = sparse_attn_ref(q, pw, iw, pc, ic, *args)
     assert _same(ref, sparse_attn_ref(q, kw, iw, kc, ic, *args))
