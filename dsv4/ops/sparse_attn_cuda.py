@@ -3,7 +3,8 @@
 Decode queries (1-8 per call: a step, or MTP verification) with bf16 q / K = V rows of 512 dims (bf16, or packed FP8
 rows that the kernel converts to bf16 in shared memory), H a multiple of 16 and int32 index lists:
 - up to 1536 slots in all, one launch: a thread-block cluster per (query, 16 heads) spreads the list's 64-slot blocks
-  over up to 8 CTAs, each keeping its blocks' rows in shared memory; the running maximum of the sequential walk is
+  over up to 8 CTAs (up to MAX_CLUSTER = 16 for 9-24 blocks where the device holds every query's cluster at once),
+  each keeping its blocks' rows in shared memory; the running maximum of the sequential walk is
   exchanged across the cluster before the walk, so every p and bf16(p) is the reference's, and the CTAs' partials are
   combined in rank order;
 - longer lists (HCA past 192K tokens of context; up to 2^18 slots), three launches over about one CTA per SM: every
@@ -29,6 +30,7 @@ MAX_QUERIES = 8  # decode: more queries are prefill chunks, which the Triton ker
 CLUSTER_SLOTS = 1536  # one launch: 64-slot blocks x 8 CTAs x 3 blocks kept in shared memory per CTA
 MAX_SLOTS = 1 << 18  # longer lists: three launches over up to 256 splits of up to 16 blocks
 PACKED_BYTES = kv_row_bytes(D)  # 592: a packed FP8 row, converted to bf16 in shared memory
+MAX_CLUSTER = 16  # CTAs a cluster may take (16: a non-portable size, used where the device holds them; 8: never)
 _OPTIN: dict[int, int] = {}
 
 
@@ -102,5 +104,6 @@ def sparse_attn(q: torch.Tensor, kv_win: torch.Tensor, idx_win: torch.Tensor, kv
         kv_comp = idx_comp = None
     if cos is not None:
         cos, sin = cos.contiguous(), sin.contiguous()
-    cuda_kernels.load().sparse_attn_decode(q, kv_win, idx_win, kv_comp, idx_comp, sink, o, float(scale), PDL, cos, sin)
+    cuda_kernels.load().sparse_attn_decode(q, kv_win, idx_win, kv_comp, idx_comp, sink, o, float(scale), PDL, cos, sin,
+                                            MAX_CLUSTER)
     return o

@@ -6,7 +6,8 @@ order, a -1 tail while fewer are visible), 1, 2 and 4 queries; odd lists (length
 block straddling the window and compressed parts, a query whose list is all -1, 128 heads, two sequences); the
 layouts the model passes (lists expanded over the batch, the entries a prefix of their buffer, a strided q); a
 running maximum that jumps in a late block after empty ones; each cluster shape (1-8 CTAs, 1-3 blocks per CTA) up to
-the cluster's 1536 slots. Past them, the three-launch path over splits: HCA lists at 256K and 1M tokens of context,
+the cluster's 1536 slots, and 9-24 blocks in clusters of 16 CTAs (1-2 blocks each) against clusters of 8, bf16 and
+packed rows. Past them, the three-launch path over splits: HCA lists at 256K and 1M tokens of context,
 odd long lists (holes, -1 tails, empty splits, several queries and sequences), a late jump of the running maximum
 across splits, a query without a valid slot. The kernels walk the reference's 64-slot blocks with the walk's own
 running maximum, so they must agree within `op_attention` and differ from the reference in few output elements (fp32
@@ -68,6 +69,45 @@ def test_odd_lists_every_cluster_shape(Lw, Lc, holes):
     args = make_case(2, 3, 128, 512, Lw, max(Lc, 1), Lc, seed=Lw + Lc, win_holes=holes, csa=True, device="cuda",
                      n_vis=None if Lc == 0 else max(Lc // 2, 1))
     check(args)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("Lw,Lc,S", [(128, 512, 1), (100, 900, 2), (128, 1024, 1), (64, 1472, 1), (37, 555, 1)])
+def test_clusters_of_16_and_of_8(Lw, Lc, S, packed, monkeypatch):
+    # 9-24 blocks: clusters of 16 CTAs (1-2 blocks each) where the device holds them, else of 8 (2-3 blocks each);
+    # both within the reference's bound, and the packed rows read as their bf16 values in either
+    from dsv4.ops.kv_pack import kv_pack_ref
+
+    sc = _mod()
+    args = make_case(1, S, 64, 512, Lw, Lc + 17, Lc, seed=Lw + Lc + S, win_holes=0.2, csa=True, device="cuda",
+                     n_vis=Lc - 3)
+    if packed:
+        args = _fp8_rows(args)
+    mod = cuda_kernels.load()
+    assert mod.sparse_attn_decode_cluster(Lw + Lc, S, 4, packed, 8) == 8
+    if torch.cuda.get_device_properties(0).multi_processor_count >= 132:  # an H100 / H200 SXM holds them
+        assert mod.sparse_attn_decode_cluster(Lw + Lc, S, 4, packed, 16) == 16
+    outs = {}
+    for width in (16, 8):
+        monkeypatch.setattr(sc, "MAX_CLUSTER", width)
+        outs[width] = check(args)[0]
+        if packed:
+            q, kvw, iw, kvc, ic, sink, scale = args
+            pk = (q, kv_pack_ref(kvw), iw, kv_pack_ref(kvc), ic, sink, scale)
+            assert_bitwise_equal(sc.sparse_attn(*pk), outs[width], f"packed rows, clusters of {width}")
+    # another fp32 summation order (the CTAs' partials), the same walk: within the op's bound of each other
+    assert_close_rel(outs[16], outs[8], "op_attention")
+
+
+def _fp8_rows(args):
+    # rows holding FP8-simulated values in their first 448 dims (what a packed state stores)
+    from dsv4.ops.act_quant import act_quant_sim_ref
+
+    def sim(t):
+        return torch.cat((act_quant_sim_ref(t[..., :448], 64), t[..., 448:]), -1)
+
+    q, kvw, iw, kvc, ic, sink, scale = args
+    return q, sim(kvw), iw, sim(kvc), ic, sink, scale
 
 
 def test_all_empty_list_gives_zeros_and_entries_as_a_prefix():
@@ -188,9 +228,9 @@ def test_output_rope_inverted_bitwise(kind, S):
     q, kvw, iw, kvc, ic, sink, scale = args
     with pytest.raises(RuntimeError, match="cos and sin must be contiguous fp32"):
         mod.sparse_attn_decode(q, kvw, iw, kvc, ic, sink, torch.empty_like(q), scale, False, cos[:, :31].contiguous(),
-                               sin[:, :31].contiguous())
+                               sin[:, :31].contiguous(), 16)
     with pytest.raises(RuntimeError, match="cos and sin come together"):
-        mod.sparse_attn_decode(q, kvw, iw, kvc, ic, sink, torch.empty_like(q), scale, False, cos, None)
+        mod.sparse_attn_decode(q, kvw, iw, kvc, ic, sink, torch.empty_like(q), scale, False, cos, None, 16)
 
 
 def test_binding_refuses_bad_calls():
@@ -198,20 +238,22 @@ def test_binding_refuses_bad_calls():
     q, kvw, iw, kvc, ic, sink, scale = make_case(1, 1, 64, 512, 128, 256, 256, seed=2, device="cuda")
     o = torch.empty_like(q)
     with pytest.raises(RuntimeError, match=r"H a multiple of 16 .*\(got H = 8, D = 512\)"):
-        mod.sparse_attn_decode(q[:, :, :8], kvw, iw, kvc, ic, sink[:8], o[:, :, :8], scale, False, None, None)
+        mod.sparse_attn_decode(q[:, :, :8], kvw, iw, kvc, ic, sink[:8], o[:, :, :8], scale, False, None, None, 16)
     with pytest.raises(RuntimeError, match="idx_win must be int32"):
-        mod.sparse_attn_decode(q, kvw, iw.long(), kvc, ic, sink, o, scale, False, None, None)
+        mod.sparse_attn_decode(q, kvw, iw.long(), kvc, ic, sink, o, scale, False, None, None, 16)
     with pytest.raises(RuntimeError, match="come together"):
-        mod.sparse_attn_decode(q, kvw, iw, kvc, None, sink, o, scale, False, None, None)
+        mod.sparse_attn_decode(q, kvw, iw, kvc, None, sink, o, scale, False, None, None, 16)
     big = torch.zeros(1, 1, (1 << 18) - 127, dtype=torch.int32, device="cuda")
     with pytest.raises(RuntimeError, match=r"lists of 1 to 262144 slots \(got 262145\)"):
-        mod.sparse_attn_decode(q, kvw, iw, kvc, big, sink, o, scale, False, None, None)
+        mod.sparse_attn_decode(q, kvw, iw, kvc, big, sink, o, scale, False, None, None, 16)
     with pytest.raises(RuntimeError, match="kv_win must be bf16"):
-        mod.sparse_attn_decode(q, kvw[:, :, 1:], iw, kvc, ic, sink, o, scale, False, None, None)
+        mod.sparse_attn_decode(q, kvw[:, :, 1:], iw, kvc, ic, sink, o, scale, False, None, None, 16)
     with pytest.raises(RuntimeError, match=r"sink must be fp32 \[H\]"):
-        mod.sparse_attn_decode(q, kvw, iw, kvc, ic, sink.double(), o, scale, False, None, None)
+        mod.sparse_attn_decode(q, kvw, iw, kvc, ic, sink.double(), o, scale, False, None, None, 16)
     with pytest.raises(RuntimeError, match="idx_comp must be int32"):
-        mod.sparse_attn_decode(q, kvw, iw, kvc, ic[:, :0], sink, o, scale, False, None, None)
+        mod.sparse_attn_decode(q, kvw, iw, kvc, ic[:, :0], sink, o, scale, False, None, None, 16)
+    with pytest.raises(RuntimeError, match=r"max_cluster must be 8 or 16 \(got 4\)"):
+        mod.sparse_attn_decode(q, kvw, iw, kvc, ic, sink, o, scale, False, None, None, 4)
 
 
 # ---- lists past one cluster (1536 slots): three launches over splits ----

@@ -4,9 +4,10 @@
 // into blocks of 64 slots, and DeepSeek's online softmax walks them in order: m_new = max(m, max s), p = exp(s - m_new),
 // Z = Z e^(m - m_new) + sum p, acc = acc e^(m - m_new) + bf16(p).V (fp32 sums), then Z += e^(sink - m), o = acc / Z.
 //
-// Work split: a thread-block cluster of C = 1, 2, 4 or 8 CTAs (8 warps each) per (query, 16 heads); CTA r takes the
-// list's blocks r, r + C, r + 2C, ... (at most 3), gathers their rows into shared memory (cp.async, 16-byte chunks
-// swizzled by row) and:
+// Work split: a thread-block cluster of C = 1, 2, 4 or 8 CTAs (8 warps each) per (query, 16 heads), or of 16 for 9-24
+// blocks where the device holds every query's cluster at once (a non-portable size: fewer blocks one after another in
+// each CTA); CTA r takes the list's blocks r, r + C, r + 2C, ... (at most 3), gathers their rows into shared memory
+// (cp.async, 16-byte chunks swizzled by row) and:
 // 1. computes each block's logits s = (q.k) * scale (mma.sync bf16, fp32 accumulation; -inf for empty slots) and keeps
 //    them in registers; each block's maximum per head is stored into every CTA of the cluster;
 // 2. after a cluster barrier, takes the walk's running maximum at each of its blocks: the maximum over every block of
@@ -489,13 +490,15 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_decode_kernel(const A
 #pragma unroll
   for (int rr = 0; rr < C; ++rr) parts[rr] = cluster.map_shared_rank(part, rr);
   __nv_bfloat16* ob = a.o + b * a.so_b + s * a.so_s + static_cast<long long>(h0) * a.so_h;
-  constexpr int kUnits = kAttnHeads * (kAttnD / 4) / (C * kThreads);  // float4 outputs per thread
+  constexpr int kOut = kAttnHeads * (kAttnD / 4);                 // float4 outputs of the CTA's heads
+  constexpr int kUnits = (kOut + C * kThreads - 1) / (C * kThreads);  // per thread (C = 16: half the threads, one)
   float4 v[kUnits];
 #pragma unroll
   for (int k = 0; k < kUnits; ++k) {  // every remote load of this thread issued before the first use
     const int u = (k * C + r) * kThreads + tid;
     const int h = u / (kAttnD / 4), d = (u % (kAttnD / 4)) * 4;
     v[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (kOut % (C * kThreads) != 0 && u >= kOut) continue;
 #pragma unroll
     for (int rr = 0; rr < C; ++rr) {
       const float4 pr = *reinterpret_cast<const float4*>(parts[rr] + h * kPartStride + d);
@@ -510,6 +513,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_decode_kernel(const A
   for (int k = 0; k < kUnits; ++k) {
     const int u = (k * C + r) * kThreads + tid;
     const int h = u / (kAttnD / 4), d = (u % (kAttnD / 4)) * 4;
+    if (kOut % (C * kThreads) != 0 && u >= kOut) continue;
     store_out4(a, ob + h * a.so_h, s, d, v[k], sm.zt[h]);
   }
   cluster_arrive_relaxed();  // the other CTAs are done reading this one's partials
@@ -804,25 +808,79 @@ cudaError_t launch(const AttnArgs& a, int queries, int head_groups, bool pdl, cu
   return launch_ex(kernel, dim3(C, head_groups, queries), dim3(kThreads), smem, pdl, C, stream, a);
 }
 
+// how many clusters of C = 16 CTAs (NBL blocks each) the device holds at once: 0 when it cannot run them (a
+// non-portable cluster size; asked once per configuration and device)
+template <int NBL, bool PACKED>
+int wide_clusters() {
+  static int cached[64];
+  static bool asked[64];
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
+  if (!asked[dev]) {
+    auto kernel = sparse_attn_decode_kernel<16, NBL, PACKED>;
+    constexpr int smem = smem_bytes<16, NBL>();
+    int n = 0;
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess &&
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess) {
+      cudaLaunchConfig_t cfg = {};
+      cfg.gridDim = dim3(16, 1, 1);
+      cfg.blockDim = dim3(kThreads);
+      cfg.dynamicSmemBytes = smem;
+      cudaLaunchAttribute attr;
+      attr.id = cudaLaunchAttributeClusterDimension;
+      attr.val.clusterDim.x = 16;
+      attr.val.clusterDim.y = 1;
+      attr.val.clusterDim.z = 1;
+      cfg.attrs = &attr;
+      cfg.numAttrs = 1;
+      if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) n = 0;
+    }
+    (void)cudaGetLastError();  // a refused query leaves no error behind
+    cached[dev] = n;
+    asked[dev] = true;
+  }
+  return cached[dev];
+}
+
 template <int C_, int NBL_>
 struct Config {
   static constexpr int C = C_, NBL = NBL_;
 };
 
 // f(Config<C, NBL>{}) for a list of 1..kAttnMaxSlots slots: C the list's blocks rounded up to a power of two, at
-// most 8 (a CTA past the list only joins the combine); then up to 3 blocks per CTA
+// most 8 (a CTA past the list only joins the combine); then up to 3 blocks per CTA. With `wide` (the device holds
+// every (query, head group)'s cluster of 16 at once), 9-24 blocks take clusters of 16 CTAs, 1-2 blocks each: fewer
+// blocks one after another in each CTA
 template <typename F>
-auto with_config(int slots, F&& f) -> decltype(f(Config<1, 1>{})) {
+auto with_config(int slots, bool wide, F&& f) -> decltype(f(Config<1, 1>{})) {
   const int nblk = (slots + kAttnBlock - 1) / kAttnBlock;
   if (nblk <= 1) return f(Config<1, 1>{});
   if (nblk <= 2) return f(Config<2, 1>{});
   if (nblk <= 4) return f(Config<4, 1>{});
   if (nblk <= 8) return f(Config<8, 1>{});
+  if (wide && nblk <= 16) return f(Config<16, 1>{});
+  if (wide) return f(Config<16, 2>{});
   if (nblk <= 16) return f(Config<8, 2>{});
   return f(Config<8, 3>{});
 }
 
+// clusters of 16 for a list of `slots` (9-24 blocks) when allowed and the device holds all queries x head_groups of them
+bool use_wide(int slots, int queries, int head_groups, bool packed, bool allowed) {
+  const int nblk = (slots + kAttnBlock - 1) / kAttnBlock;
+  if (!allowed || nblk <= 8 || slots > kAttnMaxSlots) return false;
+  const int held = nblk <= 16 ? (packed ? wide_clusters<1, true>() : wide_clusters<1, false>())
+                              : (packed ? wide_clusters<2, true>() : wide_clusters<2, false>());
+  return held >= queries * head_groups;
+}
+
 }  // namespace
+
+int sparse_attn_decode_cluster(int slots, int queries, int head_groups, bool packed, int max_cluster) {
+  if (slots < 1 || slots > kAttnLongMaxSlots || queries < 1 || head_groups < 1) return -1;
+  if (slots > kAttnMaxSlots) return 0;
+  const bool wide = use_wide(slots, queries, head_groups, packed, max_cluster == 16);
+  return with_config(slots, wide, [](auto cfg) { return decltype(cfg)::C; });
+}
 
 AttnLongPlan sparse_attn_long_plan(int slots, int queries, int head_groups, int sms) {
   AttnLongPlan p{};
@@ -851,7 +909,8 @@ cudaError_t sparse_attn_decode_launch(const AttnArgs& a, int queries, int head_g
     return a.packed ? launch_long<true>(a, queries, head_groups, pdl, stream)
                     : launch_long<false>(a, queries, head_groups, pdl, stream);
   }
-  return with_config(L, [&](auto cfg) {
+  const bool wide = use_wide(L, queries, head_groups, a.packed != 0, a.wide != 0);
+  return with_config(L, wide, [&](auto cfg) {
     using K = decltype(cfg);
     return a.packed ? launch<K::C, K::NBL, true>(a, queries, head_groups, pdl, stream)
                     : launch<K::C, K::NBL, false>(a, queries, head_groups, pdl, stream);
@@ -861,7 +920,7 @@ cudaError_t sparse_attn_decode_launch(const AttnArgs& a, int queries, int head_g
 int sparse_attn_decode_smem(int slots) {
   if (slots < 1 || slots > kAttnLongMaxSlots) return -1;
   if (slots > kAttnMaxSlots) return long_smem_bytes();
-  return with_config(slots, [](auto cfg) {
+  return with_config(slots, false, [](auto cfg) {  // the 8-wide configurations take the most
     using K = decltype(cfg);
     return smem_bytes<K::C, K::NBL>();
   });

@@ -19,6 +19,7 @@ struct AttnArgs {
   long long siw_b, siw_s, siw_l, sic_b, sic_s, sic_l, so_b, so_s, so_h;
   int S, Lw, Lc;
   int packed;  // the rows are packed FP8 (codes, bf16 RoPE dims, E8M0 scales per 64 codes)
+  int wide;    // 9-24 blocks may take clusters of 16 CTAs (where the device holds every query's at once)
   float scale;
   // rd2 > 0: the output's last 2 * rd2 dims RoPE-inverted (rope_ref's inverse on the rounded output) with the
   // angles of token s: cos / sin [S, rd2] fp32, contiguous; rd2 even, 2 * rd2 <= 512
@@ -57,6 +58,8 @@ AttnLongPlan sparse_attn_long_plan(int slots, int queries, int head_groups, int 
 // kAttnMaxSlots the plan's fields and scratch must be set
 cudaError_t sparse_attn_decode_launch(const AttnArgs& a, int queries, int head_groups, bool pdl, cudaStream_t stream);
 
+// the CTAs per cluster a one-launch call takes (1-16), 0 for the three-launch path, -1 outside the limits
+int sparse_attn_decode_cluster(int slots, int queries, int head_groups, bool packed, int max_cluster);
 // dynamic shared memory of one CTA for a list of `slots` (the launch's config), -1 outside 1..kAttnLongMaxSlots
 int sparse_attn_decode_smem(int slots);
 

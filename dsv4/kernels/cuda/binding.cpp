@@ -425,8 +425,11 @@ void mhc_boundary(const c10::optional<at::Tensor>& f, const at::Tensor& x, const
 void sparse_attn_decode(const at::Tensor& q, const at::Tensor& kv_win, const at::Tensor& idx_win,
                         const c10::optional<at::Tensor>& kv_comp, const c10::optional<at::Tensor>& idx_comp,
                         const at::Tensor& sink, at::Tensor& o, double scale, bool pdl,
-                        const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin) {
+                        const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin,
+                        int64_t max_cluster) {
   const int64_t D = dsv4::kAttnD, HG = dsv4::kAttnHeads;
+  DSV4_CHECK(max_cluster == 8 || max_cluster == 16, "sparse_attn_decode: max_cluster must be 8 or 16 (got %lld)",
+             LL(max_cluster));
   TORCH_CHECK(q.is_cuda() && q.scalar_type() == at::kBFloat16 && q.dim() == 4, "sparse_attn_decode: q must be CUDA bf16 [B, S, H, D]");
   const int64_t B = q.size(0), S = q.size(1), H = q.size(2);
   DSV4_CHECK(q.size(3) == D && H % HG == 0 && H >= HG && q.stride(3) == 1,
@@ -490,6 +493,7 @@ void sparse_attn_decode(const at::Tensor& q, const at::Tensor& kv_win, const at:
   a.kw = reinterpret_cast<const unsigned char*>(kv_win.data_ptr());
   a.kc = kv_comp.has_value() ? reinterpret_cast<const unsigned char*>(kv_comp->data_ptr()) : a.kw;
   a.packed = packed ? 1 : 0;
+  a.wide = max_cluster == 16 ? 1 : 0;
   a.iw = idx_win.data_ptr<int>();
   a.ic = idx_comp.has_value() ? idx_comp->data_ptr<int>() : a.iw;
   a.sink = sink.data_ptr<float>();
@@ -644,6 +648,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mhc_boundary", &mhc_boundary, "one mHC boundary (post, pre, RMSNorm) of 1-8 tokens (mhc.cu)");
   m.def("sparse_attn_decode_smem", &dsv4::sparse_attn_decode_smem,
         "dynamic shared memory of one sparse_attn_decode CTA for a list of this many slots (-1: unsupported)");
+  m.def("sparse_attn_decode_cluster", &dsv4::sparse_attn_decode_cluster,
+        "CTAs per cluster of sparse_attn_decode for (slots, queries, head groups, packed, max_cluster); 0: split path");
   m.def("sparse_attn_decode", &sparse_attn_decode, "sparse MQA attention with a sink, 1-8 queries (attn.cu)");
   m.def("topk_select", &topk_select, "top-k entry indices per query row, ties to the lower entry (topk.cu)");
   m.def("topk_select_cluster", &dsv4::topk_select_cluster, "CTAs per row of topk_select for a row of N entries");
