@@ -652,7 +652,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "CTAs per cluster of sparse_attn_decode for (slots, queries, head groups, packed, max_cluster); 0: split path");
   m.def("sparse_attn_decode", &sparse_attn_decode, "sparse MQA attention with a sink, 1-8 queries (attn.cu)");
   m.def("topk_select", &topk_select, "top-k entry indices per query row, ties to the lower entry (topk.cu)");
-  m.def("topk_select_cluster", &dsv4::topk_select_cluster, "CTAs per row of topk_select for a row of N entries");
+  m.def("topk_select_cluster", &dsv4::topk_select_cluster, "CTAs per row of topk_select for (N entries, rows)");
   m.def("moe_decode", &moe_decode, "decode MoE experts of one token: MXFP4 routed + FP8 shared (moe.cu)");
   m.def("router", &router, "decode MoE router of 1-8 tokens: gate logits, scores, top-k or hash, weights (router.cu)");
 }

@@ -2,7 +2,8 @@
 // first nvis entries, in descending score order with ties to the lower entry, as int32 entry indices; -1 past the
 // number of entries above -inf. Bit for bit the reference's list.
 //
-// One thread-block cluster of C = 1, 2, 4 or 8 CTAs (512 threads each) per row; CTA r holds the r-th slice of the
+// One thread-block cluster of C = 1, 2, 4, 8 or 16 CTAs (512 threads each) per row (16, a non-portable size, past
+// 16K entries where the device holds every row's cluster at once); CTA r holds the r-th slice of the
 // row (SL entries, a multiple of 8) as order-preserving 32-bit keys in shared memory (bf16 / f16 scores in the high
 // 16 bits; -0.0 as +0.0, as torch compares them; -inf and invisible entries are never candidates). Then:
 // 1. radix select over the cluster, digits of 12 + 4 bits (16-bit scores) or 12 + 12 + 8 (fp32): every CTA builds a
@@ -15,7 +16,8 @@
 //    equal T;
 // 2. each CTA stores its kept keys as (key, ~entry) pairs into every CTA's list, at offsets those counts give (keys
 //    equal to T after all keys above it, in CTA order; within a CTA by entry when only some of them are kept);
-// 3. after a third cluster barrier, CTA r ranks its share of the list against the whole list (8 threads per pair):
+// 3. after a third cluster barrier, CTA r ranks its share of the list against the whole list (8 threads per pair, 16
+//    in clusters of 16, where a CTA's share is half as long):
 //    a pair's rank is the number of larger pairs, and the pairs are distinct, so o[rank] = entry is the reference's
 //    order (descending score, ties to the lower entry).
 // Three cluster barriers for 16-bit scores (four for fp32), no global scratch, no host sync (counts are read on the
@@ -39,7 +41,7 @@ using dev::griddep_wait;
 constexpr int kThreads = 512, kWarps = kThreads / 32;
 constexpr unsigned kFull = 0xffffffffu;
 constexpr int kSliceMax = kTopkMaxN / 8;  // keys of one CTA (128 KB)
-constexpr int kRank = 8;                  // threads ranking one pair
+constexpr int kMaxC = 16;                 // CTAs of the widest cluster
 constexpr int kMaxDevices = 64;           // devices whose shared-memory opt-in is remembered
 
 constexpr int kSub = 16;                 // fine bins per coarse bin of a 12-bit digit
@@ -48,9 +50,9 @@ struct alignas(16) Small {
   int hist[2][4096];   // this CTA's histogram of a digit (up to 12 bits), double-buffered across passes (the others
   int coarse[2][256];  // read it after a barrier); its sums over 16 bins when the digit has 12 bits
   int wsum[kWarps];    // scan / reduction partials
-  int part[9][8];      // [warp][CTA]: keys above the digit (warps 0..7: coarse bins, 8: fine bins)
-  int gt[8];           // per CTA of the cluster: keys above T
-  int eqc[8];          // per CTA: keys equal to T
+  int part[9][kMaxC];  // [warp][CTA]: keys above the digit (warps 0..7: coarse bins, 8: fine bins)
+  int gt[kMaxC];       // per CTA of the cluster: keys above T
+  int eqc[kMaxC];      // per CTA: keys equal to T
   int digit, krem, fdigit, fkrem, cgt, ceq;
 };
 
@@ -178,7 +180,7 @@ __global__ void __launch_bounds__(kThreads) topk_select_kernel(const TopkArgs a,
     else __syncthreads();
   };
 
-  if (tid < 8) sm.gt[tid] = 0, sm.eqc[tid] = 0;
+  if (tid < kMaxC) sm.gt[tid] = 0, sm.eqc[tid] = 0;
   if (tid == 0) sm.cgt = 0, sm.ceq = 0;
   griddep_wait();  // the scores (and the counts) come from earlier kernels
   griddep_launch_dependents();
@@ -383,6 +385,7 @@ __global__ void __launch_bounds__(kThreads) topk_select_kernel(const TopkArgs a,
   sync_all();  // every CTA's pairs are in every list
 
   // 3. rank this CTA's share of the list; -1 past m
+  constexpr int kRank = C >= 16 ? 16 : 8;  // threads ranking one pair
   const int E = (m + C - 1) / C, e0 = r * E, e1 = min(m, e0 + E);
   const int g8 = tid % kRank;
 #pragma unroll 1
@@ -415,6 +418,7 @@ cudaError_t launch(const TopkArgs& a, int rows, bool pdl, cudaStream_t stream) {
   if (e != cudaSuccess) return e;
   if (dev >= kMaxDevices || !optin[dev]) {
     e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes(kSliceMax, kTopkMaxK));
+    if (e == cudaSuccess && C > 8) e = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
     if (e != cudaSuccess) return e;
     if (dev < kMaxDevices) optin[dev] = true;
   }
@@ -422,18 +426,55 @@ cudaError_t launch(const TopkArgs& a, int rows, bool pdl, cudaStream_t stream) {
   return launch_ex(kernel, dim3(C, rows), dim3(kThreads), smem_bytes(SL, a.K), pdl, C, stream, a, SL);
 }
 
+// clusters of 16 the current device holds at once (the widest slice's shared memory; 0: none, or no such size)
+int wide_clusters() {
+  static int held[kMaxDevices];
+  static bool asked[kMaxDevices];
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) return 0;
+  if (!asked[dev]) {
+    auto kernel = topk_select_kernel<16>;
+    const int smem = smem_bytes(slice_len(kTopkMaxN, 16), kTopkMaxK);
+    int n = 0;
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess &&
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes(kSliceMax, kTopkMaxK)) ==
+            cudaSuccess) {
+      cudaLaunchConfig_t cfg = {};
+      cfg.gridDim = dim3(16, 1, 1);
+      cfg.blockDim = dim3(kThreads);
+      cfg.dynamicSmemBytes = smem;
+      cudaLaunchAttribute attr;
+      attr.id = cudaLaunchAttributeClusterDimension;
+      attr.val.clusterDim.x = 16;
+      attr.val.clusterDim.y = 1;
+      attr.val.clusterDim.z = 1;
+      cfg.attrs = &attr;
+      cfg.numAttrs = 1;
+      if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) n = 0;
+    }
+    (void)cudaGetLastError();  // a refused query leaves no error behind
+    held[dev] = n;
+    asked[dev] = true;
+  }
+  return held[dev];
+}
+
 }  // namespace
 
-int topk_select_cluster(int N) { return N <= 2048 ? 1 : N <= 4096 ? 2 : N <= 8192 ? 4 : 8; }
+int topk_select_cluster(int N, int rows) {
+  if (N > 16384 && rows >= 1 && wide_clusters() >= rows) return 16;
+  return N <= 2048 ? 1 : N <= 4096 ? 2 : N <= 8192 ? 4 : 8;
+}
 
 cudaError_t topk_select_launch(const TopkArgs& a, int rows, bool pdl, cudaStream_t stream) {
   if (a.N < 1 || a.N > kTopkMaxN || a.K < 1 || a.K > a.N || a.K > kTopkMaxK || rows < 1 || rows > kTopkMaxRows)
     return cudaErrorInvalidValue;
-  switch (topk_select_cluster(a.N)) {
+  switch (topk_select_cluster(a.N, rows)) {
     case 1: return launch<1>(a, rows, pdl, stream);
     case 2: return launch<2>(a, rows, pdl, stream);
     case 4: return launch<4>(a, rows, pdl, stream);
-    default: return launch<8>(a, rows, pdl, stream);
+    case 8: return launch<8>(a, rows, pdl, stream);
+    default: return launch<16>(a, rows, pdl, stream);
   }
 }
 

@@ -16,10 +16,11 @@ constexpr int kTopkMaxK = 1024;         // a list of at most this many entries p
 constexpr int kTopkMaxN = 256 * 1024;   // entries of one row: 8 CTAs x 32K keys in shared memory (1M tokens / 4)
 constexpr int kTopkMaxRows = 65535;     // rows (B * S): the grid's second dimension
 
-// the CTAs of one row's cluster for a row of N entries (1, 2, 4 or 8)
-int topk_select_cluster(int N);
+// the CTAs of one row's cluster for `rows` rows of N entries (1, 2, 4 or 8; 16 past 16K entries where the current
+// device holds `rows` clusters of 16 at once)
+int topk_select_cluster(int N, int rows);
 
-// grid: C x rows (C = topk_select_cluster(N)); 1 <= K <= min(N, kTopkMaxK), N <= kTopkMaxN, rows <= kTopkMaxRows
+// grid: C x rows (C = topk_select_cluster(N, rows)); 1 <= K <= min(N, kTopkMaxK), N <= kTopkMaxN, rows <= kTopkMaxRows
 // (checked by the binding)
 cudaError_t topk_select_launch(const TopkArgs& a, int rows, bool pdl, cudaStream_t stream);
 
