@@ -2,8 +2,9 @@
 
 The row is split over 1-8 CTAs by its length (16 past 16K entries where the GPU holds every row's cluster of 16 at
 once); each holds its slice as order-preserving keys in shared memory. A radix select over the whole cluster
-(histograms exchanged through distributed shared memory) finds the k-th largest key; each CTA stores its kept entries into every CTA's list, and each CTA ranks its share of the list: descending
-score, ties to the lower entry, -1 past the entries above -inf. topk_select_ref's list bit for bit. `topk_applies`
+(histograms exchanged through distributed shared memory) finds the k-th largest key; each CTA stores its kept
+entries into every CTA's list, and each CTA ranks its share of the list: descending score, ties to the lower entry,
+-1 past the entries above -inf. topk_select_ref's list bit for bit. `topk_applies`
 says whether the kernel can take a call (k <= 1024, rows of up to 256K entries, the CUDA build) and `topk_prefers`
 whether it is the faster there; the fast op runs it where both hold, the Triton kernels elsewhere. No host sync; the
 counts are read on the device (graph-safe).
