@@ -817,26 +817,8 @@ int wide_clusters() {
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
   if (!asked[dev]) {
-    auto kernel = sparse_attn_decode_kernel<16, NBL, PACKED>;
     constexpr int smem = smem_bytes<16, NBL>();
-    int n = 0;
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess &&
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess) {
-      cudaLaunchConfig_t cfg = {};
-      cfg.gridDim = dim3(16, 1, 1);
-      cfg.blockDim = dim3(kThreads);
-      cfg.dynamicSmemBytes = smem;
-      cudaLaunchAttribute attr;
-      attr.id = cudaLaunchAttributeClusterDimension;
-      attr.val.clusterDim.x = 16;
-      attr.val.clusterDim.y = 1;
-      attr.val.clusterDim.z = 1;
-      cfg.attrs = &attr;
-      cfg.numAttrs = 1;
-      if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) n = 0;
-    }
-    (void)cudaGetLastError();  // a refused query leaves no error behind
-    cached[dev] = n;
+    cached[dev] = max_active_clusters(sparse_attn_decode_kernel<16, NBL, PACKED>, 16, kThreads, smem, smem);
     asked[dev] = true;
   }
   return cached[dev];

@@ -166,6 +166,31 @@ inline cudaError_t launch_ex(void (*kernel)(Params...), dim3 grid, dim3 block, i
   return cudaLaunchKernelEx(&cfg, kernel, args...);
 }
 
+// clusters of cluster_x CTAs of `kernel` (`threads` each, dyn_smem bytes of dynamic shared memory) the current device
+// holds at once; 0 when it cannot run them. Sets the kernel's dynamic shared memory attribute to attr_smem (>= dyn_smem:
+// the most its launches take) and, past 8 CTAs, allows the non-portable cluster size; leaves no error behind
+template <typename... Params>
+inline int max_active_clusters(void (*kernel)(Params...), int cluster_x, int threads, int dyn_smem, int attr_smem) {
+  int n = 0;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, attr_smem) == cudaSuccess &&
+      (cluster_x <= 8 || cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess)) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(static_cast<unsigned>(cluster_x), 1, 1);
+    cfg.blockDim = dim3(static_cast<unsigned>(threads), 1, 1);
+    cfg.dynamicSmemBytes = dyn_smem;
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = static_cast<unsigned>(cluster_x);
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) n = 0;
+  }
+  (void)cudaGetLastError();
+  return n > 0 ? n : 0;
+}
+
 // launch_ex without clusters
 template <typename... Params, typename... Args>
 inline cudaError_t launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, int smem, bool pdl,

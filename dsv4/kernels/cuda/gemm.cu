@@ -579,8 +579,8 @@ cudaError_t act_quant_launch(const ActQuantArgs& a, bool pdl, cudaStream_t strea
   return launch_pdl(act_quant_kernel, dim3(static_cast<unsigned>((warps + 7) / 8)), dim3(256), 0, pdl, stream, a);
 }
 
-// clusters of S gemm_fp8_kernel<BN> CTAs that fit the current device at once (S = 2, 4, 8; else 0), cached per device;
-// -1 when the occupancy query fails (not cached: asked again next time)
+// clusters of S gemm_fp8_kernel<BN> CTAs that fit the current device at once (S = 2, 4, 8; else 0; 0 when the
+// occupancy query fails), cached per device; -1 without a current device
 constexpr int kMaxDevices = 64;
 template <int BN>
 static int cluster_fit(int S) {
@@ -593,28 +593,8 @@ static int cluster_fit(int S) {
   }
   int* slot = dev < kMaxDevices ? &fit[dev][S] : nullptr;
   if (slot != nullptr && *slot != 0) return *slot - 1;  // stored + 1: 0 means "not asked yet"
-  if (cudaFuncSetAttribute(gemm_fp8_kernel<BN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           TileCfg<BN>::kSmemBytes) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return -1;
-  }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(S), 1, 1);
-  cfg.blockDim = dim3(kThreads, 1, 1);
-  cfg.dynamicSmemBytes = TileCfg<BN>::kSmemBytes;
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = S;
-  attr.val.clusterDim.y = 1;
-  attr.val.clusterDim.z = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  int n = 0;
-  if (cudaOccupancyMaxActiveClusters(&n, gemm_fp8_kernel<BN>, &cfg) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return -1;
-  }
-  n = n > 0 ? n : 0;
+  const int n =
+      max_active_clusters(gemm_fp8_kernel<BN>, S, kThreads, TileCfg<BN>::kSmemBytes, TileCfg<BN>::kSmemBytes);
   if (slot != nullptr) *slot = n + 1;
   return n;
 }

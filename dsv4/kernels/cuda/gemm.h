@@ -40,7 +40,8 @@ struct GemmFp8Args {
 cudaError_t gemm_fp8_launch(GemmFp8Args a, bool pdl, cudaStream_t stream);
 
 // clusters of `splits` GEMM CTAs (tiles `bn` wide) the current device holds at once (0 where none, or splits other than
-// 2, 4, 8; -1 when the occupancy query failed). Split-K without a workspace needs every tile's cluster to fit.
+// 2, 4, 8, or the occupancy query failed; -1 without a current device). Split-K without a workspace needs every tile's
+// cluster to fit.
 int gemm_cluster_fit(int splits, int bn);
 
 }  // namespace dsv4

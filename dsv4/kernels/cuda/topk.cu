@@ -433,27 +433,8 @@ int wide_clusters() {
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) return 0;
   if (!asked[dev]) {
-    auto kernel = topk_select_kernel<16>;
     const int smem = smem_bytes(slice_len(kTopkMaxN, 16), kTopkMaxK);
-    int n = 0;
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess &&
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes(kSliceMax, kTopkMaxK)) ==
-            cudaSuccess) {
-      cudaLaunchConfig_t cfg = {};
-      cfg.gridDim = dim3(16, 1, 1);
-      cfg.blockDim = dim3(kThreads);
-      cfg.dynamicSmemBytes = smem;
-      cudaLaunchAttribute attr;
-      attr.id = cudaLaunchAttributeClusterDimension;
-      attr.val.clusterDim.x = 16;
-      attr.val.clusterDim.y = 1;
-      attr.val.clusterDim.z = 1;
-      cfg.attrs = &attr;
-      cfg.numAttrs = 1;
-      if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) n = 0;
-    }
-    (void)cudaGetLastError();  // a refused query leaves no error behind
-    held[dev] = n;
+    held[dev] = max_active_clusters(topk_select_kernel<16>, 16, kThreads, smem, smem_bytes(kSliceMax, kTopkMaxK));
     asked[dev] = true;
   }
   return held[dev];
