@@ -18,6 +18,10 @@ in r.
 chunks after the first through the prefill graphs (dsv4/graphs.py PrefillRunner): per layer ms per 1K prompt
 tokens (CUDA events between layers), the whole prefill's wall time, and the projection to 43 layers in ms and
 prompt tokens per second; with --profile also one eager chunk's GPU time per layer kind split by op.
+
+--layer-us N times each layer's decode graph to 0.1 us (the median of 7 runs of N back-to-back replays: the yardstick
+for one kernel change, where the 0.01 ms rows do not resolve it); --timeline prints, per layer kind, every kernel of
+the layer's graph as its replays run them (start and end), which shows what overlaps what.
 """
 
 from __future__ import annotations
@@ -116,6 +120,15 @@ def timed(fn, n: int, device) -> float:
     return start.elapsed_time(end) / n
 
 
+def median_us(fn, n: int, device, runs: int = 7) -> float:
+    """Median over `runs` of the mean microseconds of fn() over n back-to-back calls (CUDA events; one warm call
+    first): the per-layer yardstick that resolves a change of a few tenths of a microsecond."""
+    import statistics
+
+    fn()
+    return statistics.median(timed(fn, n, device) for _ in range(runs)) * 1e3
+
+
 def copy_bandwidth(device) -> float:
     """Device-to-device copy GB/s (bytes read + written) of a 2 GiB buffer."""
     import torch
@@ -199,6 +212,45 @@ def profile_layer(run, device) -> dict:
         split[CATEGORY.get(name, "other")] += ms
     split["other"] += max(step - sum(per_op.values()), 0.0)
     return {"kernels": kernels, "step_ms": step, "split_ms": split, "ops_ms": per_op, "kernel_us": kernel_us}
+
+
+def graph_timeline(graph, device, replays: int = 5) -> list[dict]:
+    """The kernels of one captured graph as its replays run them (CUPTI records through the torch profiler): per
+    kernel (ordered by start) its name and the median over `replays` back-to-back replays of its start and end, us
+    from the replay's first kernel start. Shows what programmatic launch and the side stream overlap, which the
+    eager per-op split cannot. A replay runs the graph's nodes on the executor's own streams (recorded as `stream`,
+    the key that tells one replay's same-named kernels apart), not on the streams they were captured from."""
+    import statistics
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.cuda.device(device):
+        graph.replay()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(replays):
+                graph.replay()
+            torch.cuda.synchronize()
+    kern = sorted((e for e in prof.events() if e.device_type.name == "CUDA" and "memcpy" not in e.name.lower()
+                   and "memset" not in e.name.lower()), key=lambda e: e.time_range.start)
+    n = len(kern) // replays
+    if n == 0 or n * replays != len(kern):
+        return []  # the profiler did not see every replay's kernels
+    # one replay's kernels keyed by (name, executor stream, occurrence): parallel branches may start in another order
+    per_key: dict[tuple, list[tuple[float, float]]] = {}
+    for r in range(replays):
+        run = kern[r * n:(r + 1) * n]
+        t0, seen = run[0].time_range.start, {}
+        for e in run:
+            k = (short_kernel_name(e.name), getattr(e, "device_resource_id", 0))
+            seen[k] = seen.get(k, 0) + 1
+            per_key.setdefault((*k, seen[k]), []).append((e.time_range.start - t0, e.time_range.end - t0))
+    if any(len(v) != replays for v in per_key.values()):
+        return []
+    out = [{"kernel": name, "stream": stream, "start_us": statistics.median(a for a, _ in v),
+            "end_us": statistics.median(b for _, b in v)} for (name, stream, _), v in per_key.items()]
+    return sorted(out, key=lambda k: k["start_us"])
 
 
 def pf_ids(model, ctx: int, tokens: int):
@@ -337,6 +389,13 @@ def main(argv=None) -> int:
                    help="keep the K = V rows (window ring, compressed entries) as packed FP8 rows (default: bf16)")
     p.add_argument("--keys-fp4", action="store_true",
                    help="keep the indexer's keys as packed FP4 rows (default: bf16)")
+    p.add_argument("--layer-us", type=int, default=0, metavar="N",
+                   help="also time each layer's decode graph (steps at ctx-1 and ctx-2) as the median of 7 runs of N "
+                        "back-to-back replays, printed in us to 0.1 (the A/B yardstick for one kernel change; "
+                        "default 0: off)")
+    p.add_argument("--timeline", action="store_true",
+                   help="also print the kernels of one layer's decode graph per layer kind as its replays run them "
+                        "(start and end of each, median of 5 replays: what overlaps what)")
     p.add_argument("--json", metavar="F", help="write the results as JSON to F (default: none)")
     args = p.parse_args(argv)
 
@@ -422,6 +481,16 @@ def main(argv=None) -> int:
             row[f"{mode}_layer_ms"] = layer_ms
             if mode == "graph":
                 row["graph_head_ms"] = timed(runner.graphs["head"].replay, n, runner.head_dev)
+                if args.layer_us:
+                    row["graph_layer_us"] = [median_us(runner.graphs[i].replay, args.layer_us, runner.devices[i])
+                                             for i in range(len(model.layers))]
+            if mode == "graph" and args.timeline:
+                seen, tl = set(), {}
+                for i, spec_i in enumerate(cfg.layers):
+                    if spec_i.attn not in seen:
+                        seen.add(spec_i.attn)
+                        tl[spec_i.attn] = {"layer": i, "kernels": graph_timeline(runner.graphs[i], runner.devices[i])}
+                row["timeline"] = tl
             if mode == "graph" and args.profile:
                 seen, prof = set(), {}
                 for i, spec_i in enumerate(cfg.layers):
@@ -436,6 +505,9 @@ def main(argv=None) -> int:
                     runner.step(1, ctx - 2)
                 row["graph_layer_ms_open"] = [timed(runner.graphs[i].replay, n, runner.devices[i])
                                               for i in range(len(model.layers))]
+                if args.layer_us:
+                    row["graph_layer_us_open"] = [median_us(runner.graphs[i].replay, args.layer_us, runner.devices[i])
+                                                  for i in range(len(model.layers))]
             runner = None  # free this mode's graphs and their memory pools before the next
         if args.prefill:
             pf = time_prefill(model, state, ctx, args.prefill, devices)
@@ -510,6 +582,25 @@ def main(argv=None) -> int:
                 cyc = r.get("projected_43_layer_token_ms_cycle")
                 print(f"{'':>8} | {'open':>5} | {'':>9} | {layers:<40} | {'':>7} | {'':>7} | {'':>9} | "
                       f"{'' if cyc is None else f'{cyc:.1f} (cycle)':>12}")
+    if args.layer_us:
+        print(f"\nper layer, us (median of 7 runs of {args.layer_us} back-to-back replays of the layer's decode graph)")
+        for r in results:
+            for key, step in (("graph_layer_us", "ctx-1"), ("graph_layer_us_open", "ctx-2")):
+                if key in r:
+                    us = " / ".join(f"{x:.1f}" for x in r[key])
+                    print(f"{r['context']:>8} | {step:>5} | {' / '.join(s.attn for s in cfg.layers)}: {us}")
+    for r in results:
+        for kind, tl in r.get("timeline", {}).items():
+            ks = tl["kernels"]
+            if not ks:
+                print(f"\ntimeline ctx {r['context']} {kind}: the profiler did not record every replay's kernels")
+                continue
+            print(f"\ntimeline ctx {r['context']} {kind} (layer {tl['layer']}): {len(ks)} kernels, "
+                  f"{max(k['end_us'] for k in ks):.1f} us from the first start to the last end (us from the "
+                  f"replay's first kernel start, median of 5 replays)")
+            for k in ks:
+                print(f"    {k['start_us']:7.1f} -> {k['end_us']:7.1f}  ({k['end_us'] - k['start_us']:5.1f})  "
+                      f"{k['kernel']}")
     if args.prefill:
         chunk = results[0]["prefill"]["chunk"]
         print(f"\nprefill of a {args.prefill}-token prompt ending at the context, chunks of {chunk} tokens: eager, and "
