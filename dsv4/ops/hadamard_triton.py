@@ -12,7 +12,8 @@ and FP4-simulates the indexer keys it emits:
 - `store_packed_key(u8_ptr, off, x, N, PAD)`: the same rounding of one key stored as a packed FP4 key (codes and
   scale bytes, dsv4/ops/kv_pack.py), for the compressor's packed indexer keys.
 Between the two the rotation is scaled by fp32(N^-0.5) and rounded to the input dtype, as hadamard_ref
-returns it. No host sync; graph safe.
+returns it. No host sync; graph safe. On CUDA `rotate_fp4` is launched as a programmatic dependent (triton_util.PDL):
+the indexer's decode chain (rotation -> scores -> top-k) then starts each kernel during its predecessor's tail.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import triton
 import triton.language as tl
 
 from dsv4.ops.fp4_quant import FP4_AMAX_FLOOR, FP4_MAX_INV
-from dsv4.ops.triton_util import cast, rope_pairs, round_to
+from dsv4.ops.triton_util import PDL, cast, gdc_launch_dependents, gdc_wait, pdl_launch, rope_pairs, round_to
 
 _FP4_FLOOR = tl.constexpr(FP4_AMAX_FLOOR)
 _FP4_INV6 = tl.constexpr(FP4_MAX_INV)
@@ -107,8 +108,11 @@ def _rope_rows(y, r, cs_ptr, sn_ptr, HS, S, R: tl.constexpr, N: tl.constexpr, RD
 
 @triton.jit
 def _rotate_fp4_kernel(x_ptr, o_ptr, cs_ptr, sn_ptr, rows, HS, S, scale, R: tl.constexpr, N: tl.constexpr,
-                       LOG2N: tl.constexpr, RD2: tl.constexpr):
+                       LOG2N: tl.constexpr, RD2: tl.constexpr, PDL: tl.constexpr):
     DT: tl.constexpr = o_ptr.dtype.element_ty
+    if PDL:  # started early: let the next kernel start, wait for the one that writes x
+        gdc_launch_dependents()
+        gdc_wait()
     r = tl.program_id(0) * R + tl.arange(0, R)[:, None]
     off = r.to(tl.int64) * N + tl.arange(0, N)[None, :]
     ok = r < rows
@@ -149,8 +153,10 @@ def rotate_fp4(x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tens
     if rows == 0:
         return out
     R = max(1, min(16, 4096 // n))
+    pdl = PDL and x.is_cuda
     _rotate_fp4_kernel[(triton.cdiv(rows, R),)](xc, out, xc if cos is None else cos, xc if sin is None else sin, rows,
                                                   HS, S, hadamard_scale(n), R=R, N=n, LOG2N=n.bit_length() - 1,
-                                                  RD2=0 if cos is None else cos.shape[1], num_warps=4,
-                                                  **({"enable_fp_fusion": False} if x.is_cuda else {}))
+                                                  RD2=0 if cos is None else cos.shape[1], PDL=pdl, num_warps=4,
+                                                  **({"enable_fp_fusion": False} if x.is_cuda else {}),
+                                                  **pdl_launch(pdl))
     return out

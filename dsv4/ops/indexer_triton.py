@@ -20,7 +20,9 @@ in dsv4/ops/indexer.py, SPEC §2.5). Owns two kernels and their configs; touches
   them equal); -inf scores give -1. NaN scores are outside the contract. When k = N (a row that fits in one
   chunk and keeps every entry: decode up to 2K tokens of context at k = 512) the selection is skipped and only the
   final sort runs.
-No host sync; counts are read on the device; configs are fixed functions of the shapes (CUDA-graph safe).
+No host sync; counts are read on the device; configs are fixed functions of the shapes (CUDA-graph safe). On CUDA
+both are launched as programmatic dependents (triton_util.PDL): each starts during the tail of the kernel before it,
+lets its own dependent start, and waits for the kernel before it before reading anything.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import triton.language as tl
 
 from dsv4.ops.indexer import indexer_scores_ref
 from dsv4.ops.kv_pack import KEY_BLOCK, is_packed, key_row_bytes, packed_key_dim
-from dsv4.ops.triton_util import packed_key_tile
+from dsv4.ops.triton_util import PDL, gdc_launch_dependents, gdc_wait, packed_key_tile, pdl_launch
 
 _KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
@@ -66,7 +68,10 @@ def _scores_kernel(q_ptr, w_ptr, k_ptr, o_ptr, S, H, N, d,
                    sq_b, sq_s, sq_h, sw_b, sw_s, sk_b, sk_n, so_b, so_s, w_scale,
                    HP: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr, STAGES: tl.constexpr,
                    LOW: tl.constexpr, KIND: tl.constexpr, OPT: tl.constexpr, HW: tl.constexpr,
-                   PACKED: tl.constexpr):
+                   PACKED: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # started early: let the top-k start, wait for the kernel that writes q (the rotation)
+        gdc_launch_dependents()
+        gdc_wait()
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -157,7 +162,8 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, low_precis
     if q.is_cuda:
         cfg = SCORES_CFG
         BN = cfg["bn_large"] if N > cfg["large_n"] else cfg["bn_small"]
-        SB, stages, opts = min(cfg["sb_packed" if packed else "sb"], S), cfg["stages"], {"num_warps": cfg["warps"]}
+        SB, stages = min(cfg["sb_packed" if packed else "sb"], S), cfg["stages"]
+        opts = {"num_warps": cfg["warps"], **pdl_launch(PDL)}
     else:
         BN, SB, stages, opts = 64, min(SCORES_CFG["sb"], S), 1, {}  # interpreted: the same query blocks
     grid = (triton.cdiv(N, BN), triton.cdiv(S, SB), B)
@@ -165,7 +171,7 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, low_precis
                          k.stride(0), k.stride(1), o.stride(0), o.stride(1),
                          float(w_scale), HP=max(16, _pow2_ge(H)), DP=max(16, _pow2_ge(d)), BN=BN, SB=SB,
                          STAGES=stages, LOW=bool(low_precision), KIND=kind, OPT=opt, HW=q.is_cuda, PACKED=packed,
-                         **opts)
+                         PDL=PDL and q.is_cuda, **opts)
     return o
 
 
@@ -201,7 +207,10 @@ def _select(u, valid, K, WB: tl.constexpr):
 @triton.jit
 def _topk_kernel(x_ptr, nvis_ptr, src_ptr, dst_ptr, o_ptr, S, N, K, P_IN, sx_b, sx_s, so_b, so_s,
                  T: tl.constexpr, KP: tl.constexpr, WB: tl.constexpr, FROM_SCORES: tl.constexpr,
-                 FINAL: tl.constexpr, ALL: tl.constexpr = False):
+                 FINAL: tl.constexpr, ALL: tl.constexpr = False, PDL: tl.constexpr = False):
+    if PDL:  # started early: let the next kernel start, wait for the one that writes the scores (or candidates)
+        gdc_launch_dependents()
+        gdc_wait()
     row = tl.program_id(0)  # b * S + s
     c = tl.program_id(1)  # the chunk of the row (scores) or the group of chunks (merge round)
     lanes = tl.arange(0, T)
@@ -281,7 +290,8 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor, k: int) -> torch.
     tile = max(TOPK_TILE["cuda" if scores.is_cuda else "cpu"], 2 * KP)
     T0 = min(tile, max(16, _pow2_ge(N)))
     P = triton.cdiv(N, T0)
-    opts = {"num_warps": TOPK_WARPS} if scores.is_cuda else {}
+    pdl = PDL and scores.is_cuda
+    opts = {"num_warps": TOPK_WARPS, "PDL": pdl, **pdl_launch(pdl)} if scores.is_cuda else {}
     wb = 16 if scores.dtype == torch.bfloat16 else 32  # significant bits of the order-preserving score key
     sort_scr = torch.empty(rows * KP, dtype=torch.int64, device=dev)
     strides = (scores.stride(0), scores.stride(1), o.stride(0), o.stride(1))

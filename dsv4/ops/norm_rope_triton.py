@@ -15,8 +15,6 @@ One launch each, one program per row (a token, or a token's head), the whole row
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -24,16 +22,9 @@ import triton.language as tl
 from dsv4.ops.act_quant import QuantAct
 from dsv4.ops.kv_pack import is_packed, kv_row_bytes
 from dsv4.ops.rope import check_pack
-from dsv4.ops.triton_util import (cast, e4m3_round, rope_pairs, round_to, store_act_quant, store_packed_kv,
-                                  ue8m0_scale)
+from dsv4.ops.triton_util import (PDL, cast, e4m3_round, gdc_launch_dependents, gdc_wait, pdl_launch, rope_pairs,
+                                  round_to, store_act_quant, store_packed_kv, ue8m0_scale)
 
-try:  # programmatic dependent launch from Triton (griddepcontrol; DSV4_PDL=0 turns it off, as for the CUDA kernels)
-    from triton.backends.nvidia.compiler import CUDAOptions
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-    PDL = "launch_pdl" in CUDAOptions.__dataclass_fields__ and os.environ.get("DSV4_PDL", "1") != "0"
-except ImportError:  # an older Triton: plain launches
-    PDL = False
 
 
 @triton.jit
@@ -274,5 +265,5 @@ def qkv_norm_rope(q: torch.Tensor, kv: torch.Tensor, w: torch.Tensor, eps: float
                                          QBLOCK=triton.next_power_of_2(DQ), NOPE=fp8_nope,
                                          KVBLOCK=triton.next_power_of_2(DKV),
                                          NB_P=triton.next_power_of_2(max(fp8_nope // 64, 1)), RING=ring is not None,
-                                         PDL=pdl, PACK=pack, DKVC=DKV, **({"launch_pdl": True} if pdl else {}))
+                                         PDL=pdl, PACK=pack, DKVC=DKV, **pdl_launch(pdl))
     return qo, (None if ring is not None else kvo)

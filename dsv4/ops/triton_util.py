@@ -9,11 +9,36 @@ the GPU's cvt.rn rounds; written out, both give the same bits. `cast(v, dtype)`:
 `e4m3_bits(q)`: a value on the e4m3 grid -> its byte; `packed_kv_chunk(...)`: a column chunk of
 packed FP8 K = V rows (dsv4/ops/kv_pack.py) as their exact values; `store_packed_kv(...)`: one row stored in that form;
 `e2m1_f16(n)` / `packed_key_tile(...)`: FP4 codes as exact values, a tile of packed FP4 indexer keys.
+`PDL`, `gdc_launch_dependents`, `gdc_wait`, `pdl_launch(t)`: programmatic dependent launch from Triton (where the
+installed Triton has it; DSV4_PDL=0 turns it off, as for the CUDA kernels): a kernel compiled with PDL=True starts
+early, lets its own dependents start, and waits for the kernel before it before reading anything.
 """
+
+import os
 
 import torch
 import triton
 import triton.language as tl
+
+try:  # programmatic dependent launch from Triton (griddepcontrol)
+    from triton.backends.nvidia.compiler import CUDAOptions
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    PDL = "launch_pdl" in CUDAOptions.__dataclass_fields__ and os.environ.get("DSV4_PDL", "1") != "0"
+except ImportError:  # an older Triton: plain launches
+    PDL = False
+
+    def gdc_launch_dependents():  # never traced: PDL is False
+        pass
+
+    def gdc_wait():
+        pass
+
+
+def pdl_launch(on: bool) -> dict:
+    """The launch options of a kernel compiled with PDL=on."""
+    return {"launch_pdl": True} if on else {}
+
 
 from dsv4.ops.act_quant import FP8_AMAX_FLOOR, FP8_MAX_INV
 
