@@ -159,11 +159,12 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, low_precis
         opt = tl.bfloat16 if kind == 0 else tl.float16
     else:
         opt = tl.float32
+    pdl = PDL and q.is_cuda
     if q.is_cuda:
         cfg = SCORES_CFG
         BN = cfg["bn_large"] if N > cfg["large_n"] else cfg["bn_small"]
         SB, stages = min(cfg["sb_packed" if packed else "sb"], S), cfg["stages"]
-        opts = {"num_warps": cfg["warps"], **pdl_launch(PDL)}
+        opts = {"num_warps": cfg["warps"], **pdl_launch(pdl)}
     else:
         BN, SB, stages, opts = 64, min(SCORES_CFG["sb"], S), 1, {}  # interpreted: the same query blocks
     grid = (triton.cdiv(N, BN), triton.cdiv(S, SB), B)
@@ -171,7 +172,7 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, low_precis
                          k.stride(0), k.stride(1), o.stride(0), o.stride(1),
                          float(w_scale), HP=max(16, _pow2_ge(H)), DP=max(16, _pow2_ge(d)), BN=BN, SB=SB,
                          STAGES=stages, LOW=bool(low_precision), KIND=kind, OPT=opt, HW=q.is_cuda, PACKED=packed,
-                         PDL=PDL and q.is_cuda, **opts)
+                         PDL=pdl, **opts)
     return o
 
 

@@ -26,7 +26,6 @@ from dsv4.ops.triton_util import (PDL, cast, e4m3_round, gdc_launch_dependents, 
                                   round_to, store_act_quant, store_packed_kv, ue8m0_scale)
 
 
-
 @triton.jit
 def _apply_rope(row_ptr, out_ptr, cs_ptr, sn_ptr, t, D, RD2: tl.constexpr, INVERSE: tl.constexpr, x_base, o_base):
     # rotate the last 2*RD2 dims of a row (already written to out) in fp32 and store them

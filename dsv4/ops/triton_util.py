@@ -9,7 +9,7 @@ the GPU's cvt.rn rounds; written out, both give the same bits. `cast(v, dtype)`:
 `e4m3_bits(q)`: a value on the e4m3 grid -> its byte; `packed_kv_chunk(...)`: a column chunk of
 packed FP8 K = V rows (dsv4/ops/kv_pack.py) as their exact values; `store_packed_kv(...)`: one row stored in that form;
 `e2m1_f16(n)` / `packed_key_tile(...)`: FP4 codes as exact values, a tile of packed FP4 indexer keys.
-`PDL`, `gdc_launch_dependents`, `gdc_wait`, `pdl_launch(t)`: programmatic dependent launch from Triton (where the
+`PDL`, `gdc_launch_dependents`, `gdc_wait`, `pdl_launch(on)`: programmatic dependent launch from Triton (where the
 installed Triton has it; DSV4_PDL=0 turns it off, as for the CUDA kernels): a kernel compiled with PDL=True starts
 early, lets its own dependents start, and waits for the kernel before it before reading anything.
 """
