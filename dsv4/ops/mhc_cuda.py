@@ -69,7 +69,7 @@ def boundary(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch
     y = torch.empty(B, S, D, dtype=x.dtype, device=dev)
     post_out = torch.empty(B, S, hc, dtype=torch.float32, device=dev)
     comb_out = torch.empty(B, S, hc, hc, dtype=torch.float32, device=dev)
-    part = torch.empty(T, nch, 24, dtype=torch.float32, device=dev)
+    part = torch.empty(T, 24, nch, dtype=torch.float32, device=dev)
     sq = torch.empty(T, nch, dtype=torch.float32, device=dev)
     out = None
     yq = torch.empty(T, D, dtype=torch.float8_e4m3fn, device=dev) if quant else None

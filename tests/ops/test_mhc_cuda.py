@@ -148,7 +148,7 @@ def test_binding_refuses_bad_calls():
     T, D = 1, 4096
     y = torch.empty(T, D, dtype=torch.bfloat16, device="cuda")
     po, co = torch.empty(T, 4, device="cuda"), torch.empty(T, 4, 4, device="cuda")
-    part, sq = torch.empty(T, D // 64, 24, device="cuda"), torch.empty(T, D // 64, device="cuda")
+    part, sq = torch.empty(T, 24, D // 64, device="cuda"), torch.empty(T, D // 64, device="cuda")
     cnt = torch.zeros(8, dtype=torch.int32, device="cuda")
     xs = x.view(T, 4, D)
     tail = (0.0, 1e-6, 1e-6, False, None, None)

@@ -354,7 +354,7 @@ void mhc_boundary(const c10::optional<at::Tensor>& f, const at::Tensor& x, const
   TORCH_CHECK(f32c(post_out) && post_out.numel() == T * 4 && f32c(comb_out) && comb_out.numel() == T * 16,
               "mhc_boundary: post_out [T, 4], comb_out [T, 4, 4] fp32");
   TORCH_CHECK(f32c(part) && part.numel() == T * nch * 24 && f32c(sq) && sq.numel() == T * nch,
-              "mhc_boundary: part [T, D / 64, 24], sq [T, D / 64] fp32");
+              "mhc_boundary: part [T, 24, D / 64], sq [T, D / 64] fp32");
   TORCH_CHECK(counter.is_cuda() && counter.scalar_type() == at::kInt && counter.is_contiguous() && counter.numel() >= T,
               "mhc_boundary: counter must be int32 [>= T]");
   const bool has_post = f.has_value();

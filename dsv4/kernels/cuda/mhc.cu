@@ -15,18 +15,19 @@
 // groups) while warps 1-7 form y = sum_j pre_j X_j over the whole row (rounded to bf16, as mhc_pre returns it) and
 // its RMSNorm, and optionally the RMSNorm's FP8 1x128 quantization (act_quant's codes and scales: the decode MoE's
 // up kernel reads them instead of quantizing x in each of its CTAs). The Sinkhorn divisions are div.full.f32 (2 ulp,
-// as Triton's fp32 division), the rest IEEE.
-#include "common.h"
+// as Triton's fp32 division), the rest IEEE. The finish's pieces live in mhc_dev.h (moe.cu's down kernel ends with the
+// same finish when it runs the next sublayer's pre).
 #include "mhc.h"
+#include "mhc_dev.h"
 
 namespace dsv4 {
 namespace {
 
 using dev::unpack8;
 using dev::warp_sum;
+using mhc::HC;
+using mhc::MIX;
 
-constexpr int HC = 4;
-constexpr int MIX = (2 + HC) * HC;          // 24
 constexpr int COLS = kMhcCols;
 constexpr int kThreads = HC * COLS;         // 256: one element of the CTA's slice per thread
 constexpr int kWarps = kThreads / 32;
@@ -35,26 +36,6 @@ constexpr int kRowThreads = kThreads - 32;  // warps 1..7: the finish's row
 static_assert(MIX % kWarps == 0, "mixer rows split evenly over the warps");
 
 __device__ __forceinline__ float bf(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float sigmoid(float v) { return 1.0f / (1.0f + expf(-v)); }
-
-// the Sinkhorn chain's division: div.full.f32 (max 2 ulp, the Triton kernels' fp32 division), half the latency of an
-// IEEE division on this serial critical path
-__device__ __forceinline__ float div_full(float a, float b) {
-  float r;
-  asm("div.full.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-}
-
-// sum over the 4 lanes of a Sinkhorn row (S = 1: xor 1, 2, 3) or column (S = 4: xor 4, 8, 12), as
-// (v + v^S) + (v^2S + v^3S): the value a two-round shuffle tree (xor S, then 2S) gives every lane, bit for bit (fp32
-// addition commutes), with the three shuffles in flight at once: one shuffle latency per normalisation, not two
-template <int S>
-__device__ __forceinline__ float group_sum(float v) {
-  const float a = __shfl_xor_sync(0xffffffffu, v, S);
-  const float b = __shfl_xor_sync(0xffffffffu, v, 2 * S);
-  const float c = __shfl_xor_sync(0xffffffffu, v, 3 * S);
-  return (v + a) + (b + c);
-}
 
 // MINB = 2: two CTAs per SM (registers capped at 128; at RV = 3 ptxas spills 20 bytes), for grids past one CTA per
 // SM (Flash, 4 tokens: 256 CTAs in one wave instead of two)
@@ -64,12 +45,15 @@ __global__ void __launch_bounds__(kThreads, MINB) mhc_boundary_kernel(const MhcA
   __shared__ float mix[MIX];
   __shared__ float red[kWarps];
   __shared__ int last;
+  __shared__ float bs[MIX + 3];  // the pre's base, then scale: staged before the wait, read by the finish
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int c = blockIdx.x, t = blockIdx.y, nch = gridDim.x;
   const int D = a.D, nv = D / 8;
   const long long K = static_cast<long long>(HC) * D;
   const int d0 = c * COLS;
   dev::griddep_launch_dependents();
+  if (tid < MIX + 3) dev::cp_async4(bs + tid, tid < MIX ? a.base + tid : a.scale + (tid - MIX));
+  dev::cp_async_commit();
 
   // weights (never written by an earlier kernel), before griddepcontrol.wait. The mixer slice: warp w's rows
   // RPW w .. RPW w + RPW - 1, the lane's 8 elements (stream lane / 8, columns d0 + 8 (lane % 8) ..). The norm
@@ -129,7 +113,7 @@ __global__ void __launch_bounds__(kThreads, MINB) mhc_boundary_kernel(const MhcA
     sq = warp_sum(sq);
     if (lane == 0) {
 #pragma unroll
-      for (int r = 0; r < RPW; ++r) a.part[(static_cast<long long>(t) * nch + c) * MIX + RPW * warp + r] = dots[r];
+      for (int r = 0; r < RPW; ++r) a.part[(static_cast<long long>(t) * MIX + RPW * warp + r) * nch + c] = dots[r];
       if (warp == 0) a.sq[t * nch + c] = sq;
     }
   }
@@ -142,6 +126,7 @@ __global__ void __launch_bounds__(kThreads, MINB) mhc_boundary_kernel(const MhcA
     last = atomicAdd(a.counter + t, 1) == nch - 1;
     __threadfence();
   }
+  dev::cp_async_wait<0>();  // base and scale (landed long ago; no CTA exits with a copy in flight)
   __syncthreads();
   if (!last) return;
 
@@ -161,79 +146,24 @@ __global__ void __launch_bounds__(kThreads, MINB) mhc_boundary_kernel(const MhcA
     }
   }
 
-  {  // the mixes: the partials summed per lane in chunk order, then a fixed shuffle tree
-    float s[RPW] = {}, qs = 0.0f;
-    for (int ch = lane; ch < nch; ch += 32) {
-#pragma unroll
-      for (int r = 0; r < RPW; ++r) s[r] += __ldcg(a.part + (static_cast<long long>(t) * nch + ch) * MIX + RPW * warp + r);
-      qs += __ldcg(a.sq + t * nch + ch);
-    }
-    qs = warp_sum(qs);
-    const float rs = 1.0f / sqrtf(qs / static_cast<float>(K) + a.norm_eps);
-#pragma unroll
-    for (int r = 0; r < RPW; ++r) {
-      const float m = warp_sum(s[r]) * rs;
-      if (lane == 0) mix[RPW * warp + r] = m;
-    }
-  }
+  // the mixes: the partials summed per lane in chunk order, then a fixed shuffle tree
+  mhc::reduce_mixes<RPW, 2>(a.part, a.sq, t, nch, K, a.norm_eps, mix, warp, lane);
   __syncthreads();
 
-  if (warp == 0) {  // post' and the Sinkhorn comb: lane (i, j) = (e / 4, e % 4), e = lane % 16
-    if (lane < HC) a.post_out[t * HC + lane] = 2.0f * sigmoid(mix[HC + lane] * a.scale[1] + a.base[HC + lane]);
-    const int e = lane & 15;
-    const float cc = mix[2 * HC + e] * a.scale[2] + a.base[2 * HC + e];
-    float mx = fmaxf(cc, __shfl_xor_sync(0xffffffffu, cc, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float ex = expf(cc - mx);
-    float m = div_full(ex, group_sum<1>(ex)) + a.hc_eps;
-    m = div_full(m, group_sum<4>(m) + a.hc_eps);  // column normalisation first
-    for (int it = 1; it < a.iters; ++it) {
-      m = div_full(m, group_sum<1>(m) + a.hc_eps);
-      m = div_full(m, group_sum<4>(m) + a.hc_eps);
-    }
-    if (lane < HC * HC) a.comb_out[t * HC * HC + lane] = m;
+  if (warp == 0) {  // post' and the Sinkhorn comb
+    mhc::sinkhorn_warp(mix, bs + MIX, bs, a.iters, a.hc_eps, a.post_out + t * HC, a.comb_out + t * HC * HC, lane);
   } else {  // y = sum_j pre_j X_j (bf16), then its RMSNorm
     float pre[HC];
-#pragma unroll
-    for (int j = 0; j < HC; ++j) pre[j] = sigmoid(mix[j] * a.scale[0] + a.base[j]) + a.hc_eps;
+    mhc::pre_weights(mix, bs + MIX, bs, a.hc_eps, pre);
     uint4 yq[RV];  // y as stored: bf16, 8 per vector
     float ss = 0.0f;
 #pragma unroll
-    for (int i = 0; i < RV; ++i) {
-      float xs[HC][8], yv[8];
-#pragma unroll
-      for (int j = 0; j < HC; ++j) unpack8(q[i][j], xs[j]);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        float acc = 0.0f;
-#pragma unroll
-        for (int j = 0; j < HC; ++j) acc = fmaf(pre[j], xs[j][e], acc);
-        yv[e] = dev::bf16_round(acc);
-        ss = fmaf(yv[e], yv[e], ss);  // vectors past the row hold zeros
-      }
-      __nv_bfloat162* yh = reinterpret_cast<__nv_bfloat162*>(&yq[i]);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) yh[e] = __floats2bfloat162_rn(yv[2 * e], yv[2 * e + 1]);  // exact: already bf16
-    }
-    ss = warp_sum(ss);
-    if (lane == 0) red[warp] = ss;
-    asm volatile("bar.sync 1, %0;" ::"n"(kRowThreads) : "memory");
-    float tot = 0.0f;
-#pragma unroll
-    for (int w = 1; w < kWarps; ++w) tot += red[w];
-    const float rinv = 1.0f / sqrtf(tot / static_cast<float>(D) + a.eps);
+    for (int i = 0; i < RV; ++i) mhc::y_vector(q[i], pre, yq[i], ss);  // vectors past the row hold zeros
+    const float rinv = mhc::row_rinv(ss, red, warp, lane, D, a.eps);
 #pragma unroll
     for (int i = 0; i < RV; ++i) {  // (no early exit: the quantization's shuffles need every lane; rows past the
       const int v = r0 + i * kRowThreads;  // row hold zeros and store nothing)
-      float wv[8], yv[8];
-      unpack8(wq[i], wv);
-      unpack8(yq[i], yv);
-      uint4 o;
-      __nv_bfloat162* oh = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        oh[e] = __floats2bfloat162_rn(wv[2 * e] * (yv[2 * e] * rinv), wv[2 * e + 1] * (yv[2 * e + 1] * rinv));
-      }
+      const uint4 o = mhc::norm_vector(wq[i], yq[i], rinv);
       if (v < nv) reinterpret_cast<uint4*>(a.y + static_cast<long long>(t) * D)[v] = o;
       if (a.yq != nullptr) {  // act_quant of the row: a 128-block is 16 vectors, the 16 lanes of a half-warp
         float ov[8], amax = 0.0f;

@@ -21,7 +21,7 @@ struct MhcArgs {
   float* yqs;                 // [T, D / 128] their power-of-two scales
   float* post_out;            // [T, 4]
   float* comb_out;            // [T, 4, 4]
-  float* part;                // [T, D / 64, 24] scratch: the CTAs' partial mixes
+  float* part;                // [T, 24, D / 64] scratch: the CTAs' partial mixes (per mixer row, CTA order)
   float* sq;                  // [T, D / 64] scratch: their partial sums of squares
   int* counter;               // [T] arrival counters, zero before and after every launch
   int T, D, iters;
