@@ -54,6 +54,9 @@ class DecodeRunner:
         # x_in[i]: static input streams of layer i (on its device); x_out[i]: its output
         self.x_in = [torch.zeros(1, 1, hc, D, dtype=dt, device=d) for d in self.devices]
         self.x_out: list[torch.Tensor] = [None] * len(self.devices)
+        # pre_out[i]: layer i + 1's attention input (y, post, comb) where layer i's FFN op makes it
+        # (Transformer.next_block), which layer i + 1's step reads (in place: the two run on one device)
+        self.pre_out: list = [None] * len(self.devices)
         self.x_head = torch.zeros(1, 1, hc, D, dtype=dt, device=self.head_dev)
         self.embed_out: torch.Tensor | None = None
         self.logits: torch.Tensor | None = None
@@ -73,9 +76,10 @@ class DecodeRunner:
     def _run_embed(self) -> torch.Tensor:
         return self.model.embed_step(self._ids(self.embed_dev))
 
-    def _run_layer(self, i: int) -> torch.Tensor:
+    def _run_layer(self, i: int):
         dev = self.devices[i]
-        return self.model.layer_step(i, self.x_in[i], self._ids(dev), self._pos(dev), self.state.blocks[i])
+        pre = self.pre_out[i - 1] if i > 0 else None
+        return self.model.layer_step(i, self.x_in[i], self._ids(dev), self._pos(dev), self.state.blocks[i], pre)
 
     def _run_head(self) -> torch.Tensor:
         return self.model.head_step(self.x_head)
@@ -120,11 +124,13 @@ class DecodeRunner:
         torch.cuda.synchronize()
         self.state.reset()
 
-    def _bind(self, key, out: torch.Tensor) -> None:
+    def _bind(self, key, out) -> None:
         if key == "embed":
             self.embed_out = out
         elif key == "head":
             self.logits = out
+        elif isinstance(out, tuple):  # the streams and the next layer's attention input
+            self.x_out[key], self.pre_out[key] = out
         else:
             self.x_out[key] = out
 
@@ -160,9 +166,9 @@ class DecodeRunner:
             hop(self.x_in[i], x)  # nothing where the graph reads x in place (see _capture)
             if self.use_graphs:
                 self.graphs[i].replay()
-                x = self.x_out[i]
             else:
-                x = self._run_layer(i)
+                self._bind(i, self._run_layer(i))
+            x = self.x_out[i]
         hop(self.x_head, x)
         if self.use_graphs:
             self.graphs["head"].replay()

@@ -43,6 +43,50 @@ def test_static_decode_step_equals_chunked_path():
     assert_close_rel(out, ref, "logits_incremental_fp32")
 
 
+def test_next_layers_pre_made_by_the_ffn_op_same_bits():
+    # Transformer.fuse_pre: each layer's attention input (mhc_pre_norm) made by the FFN op of the layer before
+    # (ops.moe_post_pre) in the decode step and in prefill chunks; on the reference backend the op is the composition
+    # of the two references, so the logits are the unfused model's bit for bit. Only the first layer runs its own
+    # mhc_pre_norm; the last layer's FFN (no next layer) is a plain moe_post
+    from dsv4 import ops
+
+    raw, model = _model([4, 16, 0, 8], seed=7)
+    ids = _ids(raw, 21, seed=3)
+    n = len(model.layers)
+    seen: list[str] = []
+
+    def hook(op, args, kwargs):
+        seen.append(op.name)
+        return op.impl(*args, **kwargs)
+
+    def run(fuse):
+        model.fuse_pre = fuse
+        runner = DecodeRunner(model, model.new_state(len(ids) + 9), use_graphs=False)
+        out = [runner.step(t).clone() for t in ids[:-1]]
+        seen.clear()
+        ops.set_hook(hook)
+        try:
+            out.append(runner.step(ids[-1]).clone())
+        finally:
+            ops.set_hook(None)
+        calls = {name: seen.count(name) for name in ("mhc_pre_norm", "moe_post", "moe_post_pre")}
+        st = model.new_state(len(ids))  # and a prefill of three chunks
+        with torch.no_grad():
+            chunks = [model(torch.tensor([ids[p:p + 8]]), st) for p in range(0, len(ids), 8)]
+        return torch.stack(out), calls, torch.cat(chunks, 1)
+
+    default = model.fuse_pre
+    try:
+        fused, fused_calls, fused_chunks = run(True)
+        plain, plain_calls, plain_chunks = run(False)
+    finally:
+        model.fuse_pre = default
+    assert fused_calls == {"mhc_pre_norm": 1, "moe_post": 1, "moe_post_pre": n - 1}
+    assert plain_calls == {"mhc_pre_norm": n, "moe_post": n, "moe_post_pre": 0}
+    assert torch.equal(fused, plain)
+    assert torch.equal(fused_chunks, plain_chunks)
+
+
 def test_q_norm_and_wq_b_run_as_one_op():
     # the query's low-rank norm and wq_b || the indexer's wq_b: one norm_linear call per layer and forward, prefill
     # chunk and decode step alike (its fast path picks the kernels by shape), never a separate norm of q_a
@@ -124,6 +168,17 @@ def kernels(request):
 @pytest.mark.parametrize("ratios", [[4, 128, 0], [16, 4]], ids=["ratios-4-128", "ratio-16"])
 def test_graph_decode_equals_eager_decode(ratios, kernels):
     raw, model = _model(ratios, seed=3)
+    _graph_vs_eager(model, raw, 2 * 128 + 5, ["cuda:0"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kernels", ["fast"], indirect=True)
+def test_graph_decode_with_the_next_pre_in_the_ffn_op(kernels):
+    # Transformer.fuse_pre: each layer's graph also makes the next layer's attention input (ops.moe_post_pre), which
+    # the next graph reads in place
+    raw, model = _model([4, 128, 0], seed=3)
+    model.fuse_pre = True
     _graph_vs_eager(model, raw, 2 * 128 + 5, ["cuda:0"])
 
 

@@ -137,7 +137,8 @@ def staged_reference(op: str, fast_out, ref_out, args: tuple, kwargs: dict | Non
     mhc_pre_norm on them: its streams are held to the reference's, its later outputs to the reference pre + norm of
     the streams the fast op wrote, as its tests do (one bf16 ulp in a stream, within op_bf16_out, moves the fp32
     mixing weights after 20 Sinkhorn rounds by ~1e-5..4e-5 at Flash width, beyond op_fp32_out's summation-order
-    bound; judged on its own streams the fast pre is held to that bound). rmsnorm_quant's norm is held to the
+    bound; judged on its own streams the fast pre is held to that bound); moe_post_pre (the FFN's post, then the next
+    block's pre + norm) likewise. rmsnorm_quant's norm is held to the
     reference's, its codes and scales to the quantization of its own norm (one ulp of the norm may move a code)."""
     if op == "rmsnorm_quant":  # the norm against the reference's; the codes against the quantization of its own
         from dsv4.ops.act_quant import quant_act_ref
@@ -152,6 +153,15 @@ def staged_reference(op: str, fast_out, ref_out, args: tuple, kwargs: dict | Non
         bound = inspect.signature(mhc_post_pre_norm_ref).bind(*args, **(kwargs or {})).arguments
         pre = {k: v for k, v in bound.items() if k not in ("f", "x", "post", "comb")}  # mhc_pre_norm_ref's names
         return (ref_out[0], *mhc_pre_norm_ref(fast_out[0], **pre))
+    if op == "moe_post_pre":
+        import inspect
+
+        from dsv4.ops.mhc import mhc_pre_norm_ref
+        from dsv4.ops.moe import moe_post_pre_ref
+
+        bound = inspect.signature(moe_post_pre_ref).bind(*args, **(kwargs or {})).arguments
+        names = ("fn", "base", "scale", "hc", "iters", "hc_eps", "norm_eps", "w", "eps")  # mhc_pre_norm_ref's
+        return (ref_out[0], *mhc_pre_norm_ref(fast_out[0], **{k: bound[k] for k in names}))
     return ref_out
 
 

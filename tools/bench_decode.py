@@ -19,6 +19,11 @@ chunks after the first through the prefill graphs (dsv4/graphs.py PrefillRunner)
 tokens (CUDA events between layers), the whole prefill's wall time, and the projection to 43 layers in ms and
 prompt tokens per second; with --profile also one eager chunk's GPU time per layer kind split by op.
 
+--fuse-pre times the model with each layer's attention input made by the FFN op of the layer before
+(Transformer.fuse_pre, ops.moe_post_pre; off by default): so that the last benchmarked layer then does the work it
+does inside the model, its next layer is a stand-in that holds only the first layer's mHC pre parameters (the step
+computes that input and nothing reads it).
+
 --layer-us N times each layer's decode graph to 0.1 us (the median of 7 runs of N back-to-back replays: the yardstick
 for one kernel change, where the 0.01 ms rows do not resolve it); --timeline prints, per layer kind, every kernel of
 the layer's graph as its replays run them (start and end), which shows what overlaps what.
@@ -142,7 +147,7 @@ def copy_bandwidth(device) -> float:
 # op -> the part of a layer it belongs to, for the per-layer time split
 CATEGORY = {
     "linear": "linear", "norm_linear": "linear", "wo_a": "linear", "head": "linear", "act_quant": "linear",
-    "router": "moe", "moe_experts": "moe", "moe_post": "moe",
+    "router": "moe", "moe_experts": "moe", "moe_post": "moe", "moe_post_pre": "moe",
     "sparse_attn": "attention", "indexer_scores": "attention", "topk_select": "attention",
     "compressor": "attention", "qkv_norm_rope": "attention", "rope": "attention",
     "rotate_fp4": "attention",
@@ -151,6 +156,25 @@ CATEGORY = {
     "mhc_pre_norm": "mhc+norm", "mhc_post_pre_norm": "mhc+norm",
 }
 PARTS = ("linear", "moe", "attention", "mhc+norm", "other")
+
+
+class NextPre:
+    """Stands in for a block after the model's last one: its mHC pre parameters (Block.pre_args), copies of the first
+    layer's on the last layer's device. The last layer's decode step then makes that block's attention input as
+    every other layer's step makes the next one's; nothing reads it."""
+
+    def __init__(self, model):
+        dev = model.layers[-1].attn_norm.weight.device
+        self.args = tuple(a.to(dev) if hasattr(a, "to") else a for a in model.layers[0].pre_args())
+
+    def pre_args(self) -> tuple:
+        return self.args
+
+
+def stand_in_next(model) -> None:
+    """model.next_block(last layer) -> a NextPre (an instance attribute over the method: this benchmark only)."""
+    nxt, last, own = NextPre(model), len(model.layers) - 1, model.next_block
+    model.next_block = lambda i: nxt if i == last and model.fuse_pre else own(i)
 
 
 def profile_layer(run, device) -> dict:
@@ -382,6 +406,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-overlap", action="store_true",
                    help="run what the model puts on a second stream (the step plan, the compressors, the indexer) in "
                         "line, for an A/B of the overlap (default: overlapped)")
+    p.add_argument("--fuse-pre", action="store_true",
+                   help="each layer's attention input (mHC pre + RMSNorm) made by the FFN op of the layer before "
+                        "(ops.moe_post_pre) instead of by the layer itself, for an A/B of that fusion (default: off)")
     p.add_argument("--prefill", type=int, default=0, metavar="N",
                    help="also time the chunked prefill (128-token chunks) of an N-token prompt ending at each context, "
                         "eager and through the prefill graphs (default: 0, decode only)")
@@ -452,6 +479,9 @@ def main(argv=None) -> int:
     print(f"built {args.layers} Flash layers with random FP8/MXFP4 weights on {','.join(devices)} "
           f"in {build_s:.0f}s", file=sys.stderr)
 
+    model.fuse_pre = args.fuse_pre
+    if model.fuse_pre:
+        stand_in_next(model)
     per_layer_bytes = [layer_read_bytes(layer) for layer in model.layers]
     head_bytes = module_bytes(model.head) + module_bytes(model.norm) + cfg.hidden_size * 2 + sum(
         tensor_bytes(model.get_buffer(n)) for n in ("hc_head_fn", "hc_head_base", "hc_head_scale"))
@@ -638,7 +668,8 @@ def main(argv=None) -> int:
            "layers": args.layers, "layer_kinds": [s.attn for s in cfg.layers], "numerics": args.numerics,
            "copy_GBps": bw, "floor_GB_per_token": FLOOR_GB_PER_TOKEN, "floor_ms_at_copy_bw": floor_ms,
            "build_s": build_s, "results": results, "command": " ".join(sys.argv), "kernels": kernel_report,
-           "overlap": not args.no_overlap, "kv_fp8": args.kv_fp8, "keys_fp4": args.keys_fp4}
+           "overlap": not args.no_overlap, "fuse_pre": args.fuse_pre, "kv_fp8": args.kv_fp8,
+           "keys_fp4": args.keys_fp4}
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
         print(f"wrote {args.json}", file=sys.stderr)

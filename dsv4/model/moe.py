@@ -4,7 +4,8 @@ The routed experts of a layer are owned as stacked [E, ...] tensors (`StackedExp
 `experts.w1.weight` [E, N, K/2], ...): the checkpoint's per-expert names
 (`ffn.experts.{e}.w1.weight`) are routed into slice e by the name table (dsv4/checkpoint.py), so
 the kernels address experts by a device index and a reload writes where the kernels read.
-The math is `ops.router` and `ops.moe_post` (`moe_experts`, then the FFN's mHC post).
+The math is `ops.router` and `ops.moe_post` (`moe_experts`, then the FFN's mHC post), or `ops.moe_post_pre` (and
+the next block's mHC pre + RMSNorm after it).
 """
 
 from __future__ import annotations
@@ -163,14 +164,18 @@ class MoE(nn.Module):
         self.quantizes_input = numerics.reference and expert_fmt != "dense"
 
     def forward(self, x: torch.Tensor | QuantAct, ids: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
-                comb: torch.Tensor) -> torch.Tensor:
+                comb: torch.Tensor, nxt: tuple | None = None):
         # x: [B,S,D] (ffn_norm output; a QuantAct when quantizes_input), ids: [B,S], the residual streams [B,S,hc,D]
         # with the FFN's mHC post / comb -> the new streams [B,S,hc,D] (ops.moe_post: the experts' output expanded
-        # back, one op; the router reads x, the experts may read its codes)
+        # back, one op; the router reads x, the experts may read its codes). nxt: the next block's mhc_pre_norm
+        # parameters (Block.pre_args) -> (new streams, (its y, post, comb)) from one op, ops.moe_post_pre
         xq = x if isinstance(x, QuantAct) else None
         x = (x.x if xq is not None else x).flatten(0, 1)
         w, idx = self.gate(x, ids.flatten())
         ex = self.experts
-        return ops.moe_post(x if xq is None else QuantAct(x, xq.q, xq.s), w, idx, ex.w1.prepared(), ex.w2.prepared(),
-                            ex.w3.prepared(),
-                            self.shared_experts.prepared(), self.limit, self.numerics.reference, streams, post, comb)
+        args = (x if xq is None else QuantAct(x, xq.q, xq.s), w, idx, ex.w1.prepared(), ex.w2.prepared(),
+                ex.w3.prepared(), self.shared_experts.prepared(), self.limit, self.numerics.reference, streams, post, comb)
+        if nxt is None:
+            return ops.moe_post(*args)
+        x_new, y, post, comb = ops.moe_post_pre(*args, *nxt)
+        return x_new, (y, post, comb)

@@ -73,27 +73,38 @@ class Block(nn.Module):
         return (getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"), getattr(self, f"hc_{site}_scale"),
                 c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps, norm.weight, norm.eps)
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, plan: StepPlan, st: BlockState, rope: Rope) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, plan: StepPlan, st: BlockState, rope: Rope,
+                pre: tuple | None = None, nxt: "Block | None" = None):
         # x: [B,S,hc,D] residual streams at plan.pos -> [B,S,hc,D]; the same code for a prefill chunk
         # and the captured S = 1 decode step. Each sublayer's input is mhc_pre then its RMSNorm; the attention's
-        # mhc_post and the FFN's pre run as one boundary op, the FFN's post inside its experts' op
-        carry, a = self.begin(x, plan, st, rope)
-        return self.finish(self.attn.attend(a, plan, st), carry, ids)
+        # mhc_post and the FFN's pre run as one boundary op, the FFN's post inside its experts' op. Given nxt (the next
+        # block), the FFN's op also makes nxt's attention input (ops.moe_post_pre) -> (streams, nxt's pre), which
+        # nxt then takes as `pre` instead of running its own mhc_pre_norm (the decode step: one launch fewer)
+        carry, a = self.begin(x, plan, st, rope, pre=pre)
+        return self.finish(self.attn.attend(a, plan, st), carry, ids, nxt)
 
     # forward in the attention's three phases (begin, attn.attend, finish: see Attention.begin)
-    def begin(self, x: torch.Tensor, plan: StepPlan, st: BlockState, rope: Rope, join: bool = False) -> tuple:
-        """The attention's mhc_pre + RMSNorm and its projections -> (carry for finish, AttnStart)."""
-        y, post, comb = ops.mhc_pre_norm(x, *self._hc_args("attn", self.attn_norm))
+    def begin(self, x: torch.Tensor, plan: StepPlan, st: BlockState, rope: Rope, join: bool = False,
+              pre: tuple | None = None) -> tuple:
+        """The attention's mhc_pre + RMSNorm (or `pre`, its (y, post, comb) made by the block before) and its
+        projections -> (carry for finish, AttnStart)."""
+        y, post, comb = ops.mhc_pre_norm(x, *self.pre_args()) if pre is None else pre
         return (x, post, comb), self.attn.begin(y, plan, st, rope, join)
 
-    def finish(self, o: torch.Tensor, carry: tuple, ids: torch.Tensor) -> torch.Tensor:
-        """The attention's output projections, the mHC boundary and the FFN -> the new streams."""
+    def pre_args(self) -> tuple:
+        """The attention's mhc_pre_norm parameters after its input streams."""
+        return self._hc_args("attn", self.attn_norm)
+
+    def finish(self, o: torch.Tensor, carry: tuple, ids: torch.Tensor, nxt: "Block | None" = None):
+        """The attention's output projections, the mHC boundary and the FFN -> the new streams (with nxt: and nxt's
+        attention input, see forward)."""
         x, post, comb = carry
         f = self.attn.finish(o)
         # y comes with its FP8 quantization when the experts quantize their input (a QuantAct: written by the same op)
         x, y, post, comb = ops.mhc_post_pre_norm(f, x, post, comb, *self._hc_args("ffn", self.ffn_norm),
                                                  quant=self.ffn.quantizes_input)
-        return self.ffn(y, ids, x, post, comb)  # the FFN's mhc_post inside ops.moe_post
+        # the FFN's mhc_post inside ops.moe_post (and nxt's mhc_pre_norm with it: ops.moe_post_pre)
+        return self.ffn(y, ids, x, post, comb, None if nxt is None else nxt.pre_args())
 
 
 class MTPBlock(Block):
@@ -135,6 +146,11 @@ class Transformer(nn.Module):
         self._ropes: dict = {}
         self._head: tuple | None = None  # (key, PreparedLinear) of the LM head
         self._step_plans: dict = {}  # device -> (pos buffer address, the decode step's StepPlan)
+        # True: each layer's attention input is made by the FFN op of the layer before on its device (ops.moe_post_pre:
+        # in a decode step one launch fewer, the down kernel's last CTA finishes it). Off by default: on an H200 that
+        # finish costs ~8 us more than the down kernel without it, against ~7 us saved in the next layer
+        # (docs/performance.md, thirty-seventh pass)
+        self.fuse_pre = False
 
     # ---- official names: a routed expert's linear is a view into its layer's stack ----
     def get_submodule(self, target: str):
@@ -244,8 +260,18 @@ class Transformer(nn.Module):
         h = self.embed.weight[ids].to(self.numerics.dtype)
         return h.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()
 
-    def layer_step(self, i: int, x: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, st: BlockState) -> torch.Tensor:
-        """Layer i on one token at the device position pos ([1] int64): x [B,1,hc,D] -> [B,1,hc,D].
+    def next_block(self, i: int) -> Block | None:
+        """The block whose attention input layer i's decode step makes with its FFN (ops.moe_post_pre): layer i + 1
+        where it runs on layer i's device and `fuse_pre` is on, else None."""
+        if not self.fuse_pre or i + 1 >= len(self.layers):
+            return None
+        nxt = self.layers[i + 1]
+        return nxt if nxt.attn_norm.weight.device == self.layers[i].attn_norm.weight.device else None
+
+    def layer_step(self, i: int, x: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, st: BlockState,
+                   pre: tuple | None = None):
+        """Layer i on one token at the device position pos ([1] int64): x [B,1,hc,D] -> [B,1,hc,D], or, where
+        next_block(i) is a block, (x, that block's attention input (y, post, comb)), which its step takes as `pre`.
 
         The step's plan (positions, window index list, ring slot, the RoPE rows of every table kind, the
         visible compressed-entry counts of every ratio and the HCA index lists) is the same for every layer:
@@ -272,7 +298,7 @@ class Transformer(nn.Module):
                 plan.pending = branch
                 self._step_plans[dev] = (pos.data_ptr(), plan)
             plan = self._step_plans[dev][1]
-            return layer(x, ids, plan, st, self.rope(layer.spec.rope, dev))
+            return layer(x, ids, plan, st, self.rope(layer.spec.rope, dev), pre, self.next_block(i))
 
     def head_step(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B,1,hc,D] -> logits [B,1,vocab] fp32."""
@@ -281,7 +307,9 @@ class Transformer(nn.Module):
     # ---- forward ----
     def forward_streams(self, ids: torch.Tensor, state: ModelState, layer_call=None) -> torch.Tensor:
         """ids: [B,S] at positions state.pos.. -> final residual streams [B,S,hc,D]; advances state.pos.
-        layer_call(i, layer, args) -> layer(*args), if given, runs each layer (tools time or record them)."""
+        layer_call(i, layer, args) -> layer(*args), if given, runs each layer (tools time or record them). Each layer
+        makes the next one's attention input where next_block(i) says so, as the decode step does (for a chunk the
+        fast op runs the kernels of the two ops called apart)."""
         B, S = ids.shape
         p0 = state.pos
         if p0 + S > state.max_len:
@@ -290,11 +318,14 @@ class Transformer(nn.Module):
             raise ValueError(f"positions {p0}..{p0 + S - 1} exceed the model's RoPE table ({self.max_pos})")
         x = self.embed_streams(ids)
         plans: dict = {}
+        pre = None  # this layer's attention input, where the layer before made it (next_block)
         for i, (layer, st) in enumerate(zip(self.layers, state.blocks)):
             x = x.to(layer.attn_norm.weight.device)
-            args = (x, ids.to(x.device), self._plan(plans, x.device, p0, S), st, self.rope(layer.spec.rope, x.device))
+            args = (x, ids.to(x.device), self._plan(plans, x.device, p0, S), st, self.rope(layer.spec.rope, x.device),
+                    pre, self.next_block(i))
             with on_device(x.device):
-                x = layer(*args) if layer_call is None else layer_call(i, layer, args)
+                out = layer(*args) if layer_call is None else layer_call(i, layer, args)
+            x, pre = out if isinstance(out, tuple) else (out, None)
         state.pos = p0 + S
         return x
 

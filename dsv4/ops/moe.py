@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from dsv4.ops.act_quant import QuantAct
 from dsv4.ops.linear import PreparedLinear, linear_ref
-from dsv4.ops.mhc import mhc_post_ref
+from dsv4.ops.mhc import mhc_post_ref, mhc_pre_norm_ref
 
 
 def router_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.Tensor | None,
@@ -93,6 +93,18 @@ def moe_post_ref(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w1: 
     return mhc_post_ref(f.view(*streams.shape[:2], f.shape[-1]), streams, post, comb)
 
 
+def moe_post_pre_ref(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w1: PreparedLinear,
+                     w2: PreparedLinear, w3: PreparedLinear, shared: tuple | None, limit: float, act_quant: bool,
+                     streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor, base: torch.Tensor,
+                     scale: torch.Tensor, hc: int, iters: int, hc_eps: float, norm_eps: float, w: torch.Tensor,
+                     eps: float):
+    """moe_post_ref, then the next sublayer's mhc_pre_norm_ref on the new streams (its mixer fn / base / scale and
+    RMSNorm weight w): -> (new streams [B, S, hc, D], rmsnorm(y) [B, S, D], post' [B, S, hc], comb' [B, S, hc, hc]).
+    A layer's FFN with the next layer's attention input: in a decode step one launch fewer."""
+    x_new = moe_post_ref(x, weights, idx, w1, w2, w3, shared, limit, act_quant, streams, post, comb)
+    return (x_new, *mhc_pre_norm_ref(x_new, fn, base, scale, hc, iters, hc_eps, norm_eps, w, eps))
+
+
 def load_triton_module():
     """dsv4.ops.moe_triton, or None where it cannot be imported (no Triton on this machine): then the references
     run and `ops.configure` lists the ops as such."""
@@ -153,6 +165,28 @@ def make_fast_moe_post(moe_triton, experts_fast):
     return moe_post_fast
 
 
+def make_fast_moe_post_pre(post_fast, pre_norm_fast):
+    """The fast `moe_post_pre`: one token on the CUDA decode kernels, the post and the next pre in the down kernel
+    (its last CTA finishes the pre); otherwise the fast moe_post, then the fast mhc_pre_norm (the same kernels as the
+    two ops called apart)."""
+    if post_fast is None or pre_norm_fast is None:
+        return None
+    from dsv4.ops import moe_cuda
+
+    def moe_post_pre_fast(x, weights, idx, w1, w2, w3, shared, limit, act_quant, streams, post, comb, fn, base, scale,
+                          hc, iters, hc_eps, norm_eps, w, eps):
+        if moe_cuda.applies(x, weights, idx, w1, w2, w3, shared, act_quant) and \
+                moe_cuda.post_applies(x, streams, post, comb) and \
+                moe_cuda.pre_applies(x, w1.n, fn, base, scale, hc, iters, w):
+            return moe_cuda.moe_decode(x, weights, idx, w1, w2, w3, shared, limit, (streams, post, comb),
+                                       (fn, base, scale, iters, hc_eps, norm_eps, w, eps))
+        x_new = post_fast(x, weights, idx, w1, w2, w3, shared, limit, act_quant, streams, post, comb)
+        return (x_new, *pre_norm_fast(x_new, fn, base, scale, hc, iters, hc_eps, norm_eps, w, eps))
+
+    moe_post_pre_fast.__doc__ = moe_post_pre_ref.__doc__
+    return moe_post_pre_fast
+
+
 def register_ops(register) -> None:
     moe_triton = load_triton_module()
     experts_fast = make_fast_moe_experts(moe_triton)
@@ -162,6 +196,16 @@ def register_ops(register) -> None:
     register("moe_experts", moe_experts_ref, experts_fast, interpretable=True,
              doc="routed + shared clamped-SwiGLU experts, weighted sum",
              cuda="decode experts, one token: MXFP4 routed + FP8 shared")
-    register("moe_post", moe_post_ref, make_fast_moe_post(moe_triton, experts_fast), interpretable=True,
+    post_fast = make_fast_moe_post(moe_triton, experts_fast)
+    register("moe_post", moe_post_ref, post_fast, interpretable=True,
              doc="moe_experts, then the FFN's mhc_post into the residual streams",
              cuda="decode, one token: the post in the experts' down kernel")
+    from dsv4.ops.mhc import make_fast_boundaries
+
+    try:
+        from dsv4.ops import mhc_triton
+    except ImportError:
+        mhc_triton = None
+    register("moe_post_pre", moe_post_pre_ref, make_fast_moe_post_pre(post_fast, make_fast_boundaries(mhc_triton)[0]),
+             interpretable=True, doc="moe_post, then the next sublayer's mhc_pre_norm on the new streams",
+             cuda="decode, one token: the post and the next pre in the experts' down kernel")

@@ -6,7 +6,9 @@ summation order and the FP8 MMA's accumulation inside each 32-value MXFP4 group 
 
 `applies(...)` says whether a call takes this path (else the Triton kernels run: more tokens, NVFP4 or dense experts,
 no activation quantization, other shapes, no CUDA build); `moe_decode(...)` launches it, with the FFN's mHC post in
-its epilogue where `post_applies(...)` (the `moe_post` op). No host sync, graph-safe: the expert ids are read on the device.
+its epilogue where `post_applies(...)` (the `moe_post` op), and after the post the next sublayer's mHC pre + RMSNorm
+where `pre_applies(...)` (the `moe_post_pre` op: partial mixes in every down CTA, the last one finishes the token as the
+boundary kernel does). No host sync, graph-safe: the expert ids are read on the device.
 
 The decode router (dsv4/kernels/cuda/router.cu), 1-8 bf16 tokens: `router_applies(...)` / `router(...)`. One launch
 whose CTAs copy their gate rows into shared memory before waiting on the kernel that writes x (programmatic dependent
@@ -81,13 +83,36 @@ def post_applies(x: torch.Tensor | QuantAct, streams: torch.Tensor, post: torch.
             and all(t.device == x.device for t in (streams, post, comb)))
 
 
+def _down_smem(inter: int) -> int:
+    """Dynamic shared memory of one down CTA (mirrors moe.cu's smem_bytes(I): 8 warps x (ring, x, scales))."""
+    return 8 * (3 * 2 * 1024 + 2 * inter + 16 * 4 + 1024 + 16 * 4)
+
+
+def pre_applies(x: torch.Tensor | QuantAct, inter: int, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                hc: int, iters: int, w: torch.Tensor) -> bool:
+    """True when moe_decode can also run the next sublayer's mHC pre + RMSNorm on the new streams (moe_post_pre, with
+    post_applies): hc = 4, iters >= 1, contiguous 16-byte aligned fp32 fn [24, 4 D], base [24], scale [3] and bf16
+    norm weight [D] on x's device, and room for the row in the down kernel's shared memory (10 D bytes)."""
+    x = x.x if isinstance(x, QuantAct) else x
+    D = x.shape[-1]
+    if not (hc == 4 and iters >= 1 and 10 * D <= _down_smem(inter)):
+        return False
+    want = ((fn, torch.float32, 24 * 4 * D), (base, torch.float32, 24), (scale, torch.float32, 3), (w, torch.bfloat16, D))
+    return all(t.dtype == dt and t.numel() == n and t.is_contiguous() and t.data_ptr() % 16 == 0 and t.device == x.device
+               for t, dt, n in want)
+
+
 def moe_decode(x: torch.Tensor | QuantAct, weights: torch.Tensor, idx: torch.Tensor, w1: PreparedLinear,
                w2: PreparedLinear, w3: PreparedLinear, shared: tuple | None, limit: float,
-               post: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+               post: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, pre: tuple | None = None):
     """y [1, D] bf16 = the routed experts' weighted sum plus the shared expert's (see applies()); with post =
     (streams, post, comb) (see post_applies()) the new streams [1, 1, 4, D] = mhc_post(y, streams, post, comb),
-    computed in the down kernel's epilogue. Given a QuantAct, the up kernel copies its codes instead of quantizing x
-    (the same codes: act_quant's)."""
+    computed in the down kernel's epilogue; with pre = (fn, base, scale, iters, hc_eps, norm_eps, w, eps) as well (see
+    pre_applies()) -> (new streams, y' [1, 1, D], post' [1, 1, 4], comb' [1, 1, 4, 4]) = the streams and
+    mhc_pre_norm of them, finished by the down kernel's last CTA. Given a QuantAct, the up kernel copies its codes
+    instead of quantizing x (the same codes: act_quant's)."""
+    from dsv4.ops.triton_util import arrival_counters
+
     mod = cuda_kernels.load()
     k, N = idx.shape[1], w1.n
     codes = (x.q, x.s) if isinstance(x, QuantAct) else (None, None)
@@ -101,8 +126,21 @@ def moe_decode(x: torch.Tensor | QuantAct, weights: torch.Tensor, idx: torch.Ten
         streams, p, c = (t.contiguous() for t in post)
         out = torch.empty_like(streams)
         fused = (streams, p, c, out)
+    nxt, scalars = (None,) * 10, (1, 0.0, 0.0, 0.0)
+    if pre is not None:
+        fn, base, scale, iters, hc_eps, norm_eps, w, eps = pre
+        D, dev = x.shape[1], x.device
+        ny = torch.empty((1, 1, D), dtype=torch.bfloat16, device=dev)
+        npost = torch.empty((1, 1, 4), dtype=torch.float32, device=dev)
+        ncomb = torch.empty((1, 1, 4, 4), dtype=torch.float32, device=dev)
+        part = torch.empty((24, D // 16), dtype=torch.float32, device=dev)
+        sq = torch.empty(D // 16, dtype=torch.float32, device=dev)
+        nxt = (fn, base, scale, w, ny, npost, ncomb, part, sq, arrival_counters(dev, "moe next pre", 1))
+        scalars = (int(iters), float(hc_eps), float(norm_eps), float(eps))
     mod.moe_decode(x, weights.contiguous().float(), idx.contiguous().long(), w1.weight, w1.scale, w3.weight,
-                   w3.scale, w2.weight, w2.scale, *s, h, y, float(limit), PDL, *fused, *codes)
+                   w3.scale, w2.weight, w2.scale, *s, h, y, float(limit), PDL, *fused, *codes, *nxt, *scalars)
+    if pre is not None:
+        return fused[3], nxt[4], nxt[5], nxt[6]
     return y if post is None else fused[3]
 
 

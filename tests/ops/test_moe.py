@@ -14,7 +14,7 @@ import torch
 from dsv4 import formats
 from dsv4.ops.linear import PreparedLinear, prepare_linear, stack_prepared
 from dsv4.ops.moe import moe_experts_ref, router_ref
-from dsv4.testing import assert_close_rel
+from dsv4.testing import assert_bitwise_equal, assert_close_rel
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
@@ -193,6 +193,38 @@ def test_moe_post_interpreted(B, S):
     assert_close_rel(out, moe_post_ref(*args), "op_bf16_out")
     f = ops.OPS["moe_experts"].fast(*args[:9])
     assert_close_rel(out, mhc_post_ref(f.view(B, S, 256), streams, post, comb), "op_bf16_out")
+
+
+@cpu_tier
+@pytest.mark.parametrize("B,S", [(1, 1), (1, 3)])
+def test_moe_post_pre_interpreted(B, S):
+    """The fast moe_post_pre off the CUDA path: the fast moe_post, then the fast mhc_pre_norm on its streams (the two
+    ops' own results, bit for bit), and within tolerance of moe_post_pre_ref (the pre judged on the fast streams, as
+    ab_compare does)."""
+    from dsv4 import ops
+    from dsv4.ops.mhc import mhc_pre_norm_ref
+    from dsv4.ops.moe import moe_post_pre_ref
+
+    _fast()
+    D = 256
+    x, wts, idx, w1, w2, w3, shared = _experts(B * S, D, 128, 8, 3, "mxfp4", "fp8", "cpu", seed=60 + S)
+    g = _gen(70 + S)
+    streams = (torch.randn(B, S, 4, D, generator=g) * 2).to(torch.bfloat16)
+    post, comb = torch.rand(B, S, 4, generator=g) * 2, torch.rand(B, S, 4, 4, generator=g)
+    fn = torch.randn(24, 4 * D, generator=g) * 0.5 * (4 * D) ** -0.5
+    base, scale = torch.randn(24, generator=g) * 0.5, 1 + torch.randn(3, generator=g) * 0.3
+    w = (1 + 0.3 * torch.randn(D, generator=g)).to(torch.bfloat16)
+    pre = (fn, base, scale, 4, 20, 1e-6, 1e-6, w, 1e-6)
+    args = (x, wts, idx, w1, w2, w3, shared, 10.0, True, streams, post, comb)
+    got = ops.OPS["moe_post_pre"].fast(*args, *pre)
+    x_new = ops.OPS["moe_post"].fast(*args)
+    for a, b in zip(got, (x_new, *ops.OPS["mhc_pre_norm"].fast(x_new, *pre))):
+        assert_bitwise_equal(a, b, "moe_post_pre vs the two ops")
+    ref = moe_post_pre_ref(*args, *pre)
+    assert_close_rel(got[0], ref[0], "op_bf16_out")
+    for a, b, name in zip(got[1:], mhc_pre_norm_ref(got[0], *pre), ("op_bf16_out", "op_fp32_out", "op_fp32_out")):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        assert_close_rel(a, b, name)
 
 
 @cpu_tier

@@ -20,6 +20,8 @@ from dsv4.testing import assert_bitwise_equal, assert_close_rel, graph_replay
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("built_sm90")]
 TOL = "op_fp8_mma_bf16_out"
+ITERS, HC_EPS, NORM_EPS, EPS = 20, 1e-6, 1e-6, 1e-6  # the next pre's Sinkhorn and norms (test_mhc_cuda's)
+NO_PRE = (None,) * 10 + (1, 0.0, 0.0, 0.0)  # moe_decode's trailing arguments without the next sublayer's pre
 
 
 def _mc():
@@ -195,11 +197,11 @@ def test_codes_given_equal_codes_made(flash, shared):
     head = (x, wts, idx, w1.weight, w1.scale, w3.weight, w3.scale, w2.weight, w2.scale, *s6, h, torch.empty_like(x),
             10.0, False, None, None, None, None)
     with pytest.raises(RuntimeError, match="xq and xqs come together"):
-        mod.moe_decode(*head, xa.q, None)
+        mod.moe_decode(*head, xa.q, None, *NO_PRE)
     with pytest.raises(RuntimeError, match="xq must be"):
-        mod.moe_decode(*head, xa.q.view(torch.uint8), xa.s)
+        mod.moe_decode(*head, xa.q.view(torch.uint8), xa.s, *NO_PRE)
     with pytest.raises(RuntimeError, match="xqs must be"):
-        mod.moe_decode(*head, xa.q, xa.s[:, 1:])
+        mod.moe_decode(*head, xa.q, xa.s[:, 1:], *NO_PRE)
 
 
 def test_moe_post_graph_replay_equals_eager(flash):
@@ -207,6 +209,115 @@ def test_moe_post_graph_replay_equals_eager(flash):
     streams, post, comb = _streams(4096, seed=6)
     want, out = graph_replay(lambda: _mc().moe_decode(x, wts, idx, w1, w2, w3, sh, 10.0, (streams, post, comb)))
     assert torch.equal(out, want)
+
+
+def _next_pre(D, seed):
+    """The next sublayer's mixer (fn, base, scale) and RMSNorm weight, as test_mhc_cuda draws them."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    fn = torch.randn(24, 4 * D, generator=g, device="cuda") * 0.5 * (4 * D) ** -0.5
+    base = torch.randn(24, generator=g, device="cuda") * 0.5
+    scale = 1 + torch.randn(3, generator=g, device="cuda") * 0.3
+    w = (1 + 0.3 * torch.randn(D, generator=g, device="cuda")).to(torch.bfloat16)
+    return fn, base, scale, w
+
+
+def _check_next_pre(got, streams_want, fn, base, scale, w):
+    """got = (streams, y, post, comb) of the fused pre: the streams bit for bit streams_want (the down kernel's post),
+    y / post / comb within the op tolerances of the reference pre + norm of those streams and of the mHC boundary
+    kernel's (another grouping of the partial sums)."""
+    from dsv4.ops import mhc_cuda
+    from dsv4.ops.mhc import mhc_pre_norm_ref
+
+    assert_bitwise_equal(got[0], streams_want, "streams")
+    ref = mhc_pre_norm_ref(got[0], fn, base, scale, 4, ITERS, HC_EPS, NORM_EPS, w, EPS)
+    kern = mhc_cuda.boundary(got[0], fn, base, scale, ITERS, HC_EPS, NORM_EPS, w, EPS)
+    for a, b, c, name in zip(got[1:], ref, kern, ("op_bf16_out", "op_fp32_out", "op_fp32_out")):
+        assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
+        assert_close_rel(a, b, name)
+        assert_close_rel(a, c, name)
+
+
+@pytest.mark.parametrize("D,N,E,k,shared", [(4096, 2048, 256, 6, True), (4096, 2048, 256, 6, False),
+                                            (2048, 512, 8, 3, True), (6144, 1024, 8, 2, True)])
+def test_next_pre_in_the_down_kernel(flash, D, N, E, k, shared):
+    """The next sublayer's mHC pre + RMSNorm after the fused post (moe_post_pre): the streams bit for bit the fused
+    post's, the pre within tolerance of the reference and of the boundary kernel on those streams; the registered
+    fast moe_post_pre takes this path for one token (same bits) and holds to moe_post_pre_ref; reruns give the same
+    bits and leave the arrival counter at zero."""
+    from dsv4 import ops
+    from dsv4.ops.moe import moe_post_pre_ref
+    from dsv4.ops.triton_util import arrival_counters
+
+    x, wts, idx, w1, w2, w3, sh = flash if D == 4096 and shared else _case(D, N, E, k, seed=D + k, shared=shared)
+    mc = _mc()
+    streams, post, comb = _streams(D, seed=13)
+    fn, base, scale, w = _next_pre(D, seed=D + 1)
+    assert mc.pre_applies(x, N, fn, base, scale, 4, ITERS, w)
+    pre = (fn, base, scale, ITERS, HC_EPS, NORM_EPS, w, EPS)
+    got = mc.moe_decode(x, wts, idx, w1, w2, w3, sh, 10.0, (streams, post, comb), pre)
+    _check_next_pre(got, mc.moe_decode(x, wts, idx, w1, w2, w3, sh, 10.0, (streams, post, comb)), fn, base, scale, w)
+    args = (x, wts, idx, w1, w2, w3, sh, 10.0, True, streams, post, comb, fn, base, scale, 4, ITERS, HC_EPS, NORM_EPS,
+            w, EPS)
+    for a, b in zip(ops.OPS["moe_post_pre"].fast(*args), got):
+        assert_bitwise_equal(a, b, "fast moe_post_pre vs the fused kernel")
+    assert_close_rel(got[0], moe_post_pre_ref(*args)[0], TOL)
+    for _ in range(2):
+        for a, b in zip(mc.moe_decode(x, wts, idx, w1, w2, w3, sh, 10.0, (streams, post, comb), pre), got):
+            assert_bitwise_equal(a, b, "rerun")
+    torch.cuda.synchronize()
+    assert int(arrival_counters(x.device, "moe next pre", 1).abs().sum()) == 0
+
+
+def test_next_pre_graph_replay_and_refusals(flash):
+    from dsv4.ops.triton_util import arrival_counters
+
+    x, wts, idx, w1, w2, w3, sh = flash
+    mc = _mc()
+    streams, post, comb = _streams(4096, seed=14)
+    fn, base, scale, w = _next_pre(4096, seed=15)
+    pre = (fn, base, scale, ITERS, HC_EPS, NORM_EPS, w, EPS)
+
+    def step():
+        return torch.cat([t.float().flatten() for t in mc.moe_decode(x, wts, idx, w1, w2, w3, sh, 10.0,
+                                                                     (streams, post, comb), pre)])
+
+    first = step()
+    want, out = graph_replay(step)
+    assert_bitwise_equal(out, want, "graph")
+    assert_bitwise_equal(out, first, "graph vs eager")
+    # what the fused pre does not take: another hc, an fp32 norm weight, a misaligned mixer, a row past the down
+    # kernel's shared memory (D 8192 with inter 512: 80 KB of row and weight against 65 KB)
+    assert not mc.pre_applies(x, 2048, fn, base, scale, 2, ITERS, w)
+    assert not mc.pre_applies(x, 2048, fn, base, scale, 4, ITERS, w.float())
+    fn_off = torch.empty(fn.numel() + 1, device="cuda")[1:].view_as(fn).copy_(fn)
+    assert not mc.pre_applies(x, 2048, fn_off, base, scale, 4, ITERS, w)
+    x8 = torch.zeros(1, 8192, dtype=torch.bfloat16, device="cuda")
+    fn8, base8, scale8, w8 = _next_pre(8192, seed=16)
+    assert mc.pre_applies(x8, 2048, fn8, base8, scale8, 4, ITERS, w8)
+    assert not mc.pre_applies(x8, 512, fn8, base8, scale8, 4, ITERS, w8)
+    # the binding's refusals
+    from dsv4.kernels import cuda as cuda_kernels
+
+    mod = cuda_kernels.load()
+    h = torch.empty(7, 2048, dtype=torch.bfloat16, device="cuda")
+    s6 = (sh[0].weight, sh[0].scale, sh[2].weight, sh[2].scale, sh[1].weight, sh[1].scale)
+    out = torch.empty_like(streams)
+    head = (x, wts, idx, w1.weight, w1.scale, w3.weight, w3.scale, w2.weight, w2.scale, *s6, h, torch.empty_like(x),
+            10.0, False)
+    ny, npost, ncomb = torch.empty(1, 4096, dtype=torch.bfloat16, device="cuda"), torch.empty(4, device="cuda"), \
+        torch.empty(16, device="cuda")
+    part, sq = torch.empty(24, 256, device="cuda"), torch.empty(256, device="cuda")
+    cnt = arrival_counters(x.device, "moe next pre", 1)
+    full = (fn, base, scale, w, ny, npost, ncomb, part, sq, cnt, ITERS, HC_EPS, NORM_EPS, EPS)
+    with pytest.raises(RuntimeError, match="come together"):
+        mod.moe_decode(*head, streams, post, comb, out, None, None, *((None,) + full[1:]))
+    with pytest.raises(RuntimeError, match="needs the FFN's post"):
+        mod.moe_decode(*head, None, None, None, None, None, None, *full)
+    with pytest.raises(RuntimeError, match="part \\[24, D / 16\\]"):
+        mod.moe_decode(*head, streams, post, comb, out, None, None, *full[:7], part[1:], *full[8:])
+    with pytest.raises(RuntimeError, match="nw and ny"):
+        mod.moe_decode(*head, streams, post, comb, out, None, None, *full[:3], w.float(), *full[4:])
+    assert int(cnt.abs().sum()) == 0
 
 
 # ---------------------------------------------------------------------------------------------------------

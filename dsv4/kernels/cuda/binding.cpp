@@ -104,7 +104,9 @@ int64_t gemv_smem(int64_t fmt, bool x_split, int64_t M, int64_t ks, int64_t wr, 
 
 // x [1, D] bf16, wts [1, k] fp32, idx [1, k] int64; routed MXFP4 stacks w1 / w3 [E, I, D/2] + [E, I, D/32] bytes, w2
 // [E, D, I/2] + [E, D, I/32]; the FP8 shared expert (v1, v1s, v3, v3s, v2, v2s) or none; h [k + 1, I] bf16 scratch;
-// y [1, D] bf16.
+// y [1, D] bf16; optionally the FFN's mHC post (streams, post, comb -> out) and after it the next sublayer's mHC pre +
+// RMSNorm on the new streams (nfn [24, 4 D], nbase [24], nscale [3] fp32, nw [D] bf16 -> ny [1, D] bf16, npost [4],
+// ncomb [4, 4] fp32; part [24, D / 16] / sq [D / 16] fp32 scratch, counter int32 [>= 1], zero)
 void moe_decode(const at::Tensor& x, const at::Tensor& wts, const at::Tensor& idx, const at::Tensor& w1,
                 const at::Tensor& s1, const at::Tensor& w3, const at::Tensor& s3, const at::Tensor& w2,
                 const at::Tensor& s2, const c10::optional<at::Tensor>& v1, const c10::optional<at::Tensor>& v1s,
@@ -112,7 +114,13 @@ void moe_decode(const at::Tensor& x, const at::Tensor& wts, const at::Tensor& id
                 const c10::optional<at::Tensor>& v2, const c10::optional<at::Tensor>& v2s, at::Tensor& h, at::Tensor& y,
                 double limit, bool pdl, const c10::optional<at::Tensor>& streams, const c10::optional<at::Tensor>& post,
                 const c10::optional<at::Tensor>& comb, const c10::optional<at::Tensor>& out,
-                const c10::optional<at::Tensor>& xq, const c10::optional<at::Tensor>& xqs) {
+                const c10::optional<at::Tensor>& xq, const c10::optional<at::Tensor>& xqs,
+                const c10::optional<at::Tensor>& nfn, const c10::optional<at::Tensor>& nbase,
+                const c10::optional<at::Tensor>& nscale, const c10::optional<at::Tensor>& nw,
+                const c10::optional<at::Tensor>& ny, const c10::optional<at::Tensor>& npost,
+                const c10::optional<at::Tensor>& ncomb, const c10::optional<at::Tensor>& part,
+                const c10::optional<at::Tensor>& sq, const c10::optional<at::Tensor>& counter, int64_t iters,
+                double hc_eps, double norm_eps, double eps) {
   TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) == 1 && x.is_contiguous(),
               "moe_decode: x must be one contiguous bf16 row [1, D]");
   const int64_t D = x.size(1), k = idx.size(1), E = w1.size(0), I = w1.size(1);
@@ -207,6 +215,46 @@ void moe_decode(const at::Tensor& x, const at::Tensor& wts, const at::Tensor& id
                 "moe_decode: xqs must be contiguous fp32 [1, D / 128] on x's device");
     a.xq = static_cast<const uint8_t*>(xq->data_ptr());
     a.xqs = xqs->data_ptr<float>();
+  }
+  const bool pre = nfn.has_value();
+  for (const c10::optional<at::Tensor>* t : std::initializer_list<const c10::optional<at::Tensor>*>{
+           &nbase, &nscale, &nw, &ny, &npost, &ncomb, &part, &sq, &counter}) {
+    TORCH_CHECK(t->has_value() == pre, "moe_decode: nfn, nbase, nscale, nw, ny, npost, ncomb, part, sq and counter come "
+                "together (the next sublayer's fused mHC pre)");
+  }
+  if (pre) {
+    TORCH_CHECK(fused, "moe_decode: the next sublayer's mHC pre needs the FFN's post (streams, post, comb, out)");
+    const int64_t nblk = D / 16;
+    auto on = [&](const at::Tensor& t, at::ScalarType st, int64_t n) {
+      return t.is_cuda() && t.device() == x.device() && t.scalar_type() == st && t.is_contiguous() && t.numel() == n &&
+             reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+    };
+    TORCH_CHECK(on(*nfn, at::kFloat, 24 * 4 * D) && on(*nbase, at::kFloat, 24) && on(*nscale, at::kFloat, 3),
+                "moe_decode: nfn [24, 4 D], nbase [24], nscale [3] must be contiguous 16-byte aligned fp32 on x's device");
+    TORCH_CHECK(on(*nw, at::kBFloat16, D) && on(*ny, at::kBFloat16, D),
+                "moe_decode: nw and ny must be contiguous 16-byte aligned bf16 [D] on x's device");
+    TORCH_CHECK(on(*npost, at::kFloat, 4) && on(*ncomb, at::kFloat, 16) && on(*part, at::kFloat, nblk * 24) &&
+                    on(*sq, at::kFloat, nblk),
+                "moe_decode: npost [4], ncomb [4, 4], part [24, D / 16] and sq [D / 16] must be contiguous 16-byte aligned "
+                "fp32 on x's device");
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(out->data_ptr()) % 16 == 0, "moe_decode: out must be 16-byte aligned");
+    TORCH_CHECK(counter->is_cuda() && counter->device() == x.device() && counter->scalar_type() == at::kInt &&
+                    counter->numel() >= 1, "moe_decode: counter must be int32 [>= 1] on x's device");
+    TORCH_CHECK(iters >= 1, "moe_decode: iters must be >= 1");
+    a.nfn = nfn->data_ptr<float>();
+    a.nbase = nbase->data_ptr<float>();
+    a.nscale = nscale->data_ptr<float>();
+    a.nw = reinterpret_cast<const __nv_bfloat16*>(nw->data_ptr());
+    a.ny = reinterpret_cast<__nv_bfloat16*>(ny->data_ptr());
+    a.npost = npost->data_ptr<float>();
+    a.ncomb = ncomb->data_ptr<float>();
+    a.part = part->data_ptr<float>();
+    a.sq = sq->data_ptr<float>();
+    a.counter = counter->data_ptr<int>();
+    a.iters = static_cast<int>(iters);
+    a.hc_eps = static_cast<float>(hc_eps);
+    a.norm_eps = static_cast<float>(norm_eps);
+    a.eps = static_cast<float>(eps);
   }
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaError_t e = dsv4::moe_decode_launch(a, pdl, c10::cuda::getCurrentCUDAStream().stream());

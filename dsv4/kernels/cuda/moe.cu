@@ -8,7 +8,15 @@
 //   the shared expert's w2 rows over one half of K each. Epilogue: the pair outputs rounded to bf16 and summed in fp32
 //   in ascending (expert id, slot) order, then the shared expert's (its halves summed, rounded): fixed order, no
 //   atomics, the same bits on every run. Optionally the FFN's mHC post of those columns follows in the same threads
-//   (moe_post: the new streams, the same FMAs as mhc_post's kernel), so that no launch of its own is needed.
+//   (moe_post: the new streams, the same FMAs as mhc_post's kernel), so that no launch of its own is needed; and
+//   after it optionally the next sublayer's mHC pre and RMSNorm (moe_post_pre: the next layer's attention input, one
+//   launch fewer in the next layer's step): each CTA leaves its partial mixes over its 16 columns of the new streams
+//   (its mixer slice, base and scale copied into shared memory before griddepcontrol.wait), and the last CTA to arrive
+//   finishes the token as the mHC boundary kernel does (mhc_dev.h: the same reduction, Sinkhorn, y and RMSNorm; the
+//   row staged through the rings' shared memory). Against the boundary kernel only the partials' grouping differs (256
+//   chunks of 16 columns instead of 64 of 64): fp32 summation order. (Measured on an H200 that finish costs ~8 us on
+//   the critical path, more than the whole boundary kernel launched after this one: the model keeps it off by
+//   default, Transformer.fuse_pre; docs/performance.md, thirty-seventh pass.)
 //
 // Numerics. x (and h) are quantized in the kernel to e4m3 with a power-of-two scale per 128 (DeepSeek's act_quant),
 // or x's codes come with it (a.xq, a.xqs: the FFN's mHC boundary writes them beside x) and the up kernel only widens
@@ -30,6 +38,7 @@
 // experts' addresses come from the router's output: moe_up_kernel (the router's dependent) loads them after its wait
 // and triggers its own dependent only then, so moe_down_kernel may issue its routed w2 loads before waiting on h.
 #include "common.h"
+#include "mhc_dev.h"
 #include "moe.h"
 
 namespace dsv4 {
@@ -46,6 +55,9 @@ using dev::ue8m0_scale;
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kHc = 4;  // mHC streams (the fused post)
+constexpr int kCols = 16;                        // output rows of a down CTA: its columns of the new streams
+constexpr int kPreRows = mhc::MIX / kWarps;      // mixer rows per warp in the next pre's partials (3)
+constexpr int kPreRV = 5;                        // row vectors per finishing thread: D / 8 over 224 threads, D <= 8192
 constexpr int NSTEP = 2;                         // 64-byte steps per ring chunk (fp8: one 128-column block)
 constexpr int kStepB = 1024;                     // ring bytes of one step: 16 rows x 64 bytes
 constexpr int NBUF = 3;                          // chunks in a warp's cp.async ring: two in flight, one multiplied
@@ -428,14 +440,150 @@ __global__ void __launch_bounds__(kThreads, 3) moe_up_kernel(const MoeArgs a) {
   }
 }
 
+// the weighted sum over the experts of the CTA's 16 output rows (threads 0-15, one row each), then the FFN's mHC post of
+// those columns (with a.out); vals (or null) receives the new streams' values [4][16] as stored (bf16)
+__device__ __forceinline__ void down_epilogue(const MoeArgs& a, const WarpSmem& s, int row0, float* vals) {
+  if (threadIdx.x < 16) {
+    const int r = threadIdx.x;
+    long long ids[6];
+    for (int i = 0; i < a.k; ++i) ids[i] = a.idx[i];
+    float y = 0.0f;
+    unsigned used = 0;
+    for (int n = 0; n < a.k; ++n) {  // ascending (expert id, slot)
+      int best = -1;
+      for (int i = 0; i < a.k; ++i) {
+        if (!(used >> i & 1u) && (best < 0 || ids[i] < ids[best])) best = i;
+      }
+      used |= 1u << best;
+      y += bf16_round(s.red[best * 16 + r]);
+    }
+    if (a.has_shared) y += bf16_round(s.red[(kWarps - 2) * 16 + r] + s.red[(kWarps - 1) * 16 + r]);
+    const __nv_bfloat16 yb = __float2bfloat16_rn(y);
+    a.y[row0 + r] = yb;
+    if (a.out != nullptr) {  // the mHC post of this column, mhc_post's per-element FMAs (its Triton kernel's bits)
+      const int d = row0 + r;
+#pragma unroll
+      for (int j = 0; j < kHc; ++j) {
+        float acc = 0.0f;
+#pragma unroll
+        for (int i = 0; i < kHc; ++i) acc = fmaf(a.comb[i * kHc + j], __bfloat162float(a.streams[i * a.D + d]), acc);
+        const __nv_bfloat16 o = __float2bfloat16_rn(fmaf(a.post[j], __bfloat162float(yb), acc));
+        a.out[j * a.D + d] = o;
+        if (vals != nullptr) vals[j * kCols + r] = __bfloat162float(o);
+      }
+    }
+  }
+}
+
+// The next sublayer's mHC pre + RMSNorm (a.nfn): this CTA's partial mixes and sum of squares over its 16 columns of
+// the 4 new streams (vals), then the last CTA to arrive finishes the token as mhc.cu's finishing CTA does (mhc_dev.h)
+// and resets the counter. fn: the CTA's mixer slice [24][4][16] and bs: base [24], scale [3] (shared memory).
+__device__ __forceinline__ void next_pre(const MoeArgs& a, unsigned char* smem, const float* vals, const float* fn,
+                                         const float* bs, int warp, int lane) {
+  using mhc::HC;
+  using mhc::MIX;
+  __shared__ float mix[MIX];
+  __shared__ float red[kWarps];
+  __shared__ int last;
+  const int blk = static_cast<int>(blockIdx.x), nblk = static_cast<int>(gridDim.x);
+  __syncthreads();  // vals
+  {
+    const int ek = lane >> 3, ec = (lane & 7) * 2;
+    const float x0 = vals[ek * kCols + ec], x1 = vals[ek * kCols + ec + 1];
+    float dots[kPreRows];
+#pragma unroll
+    for (int r = 0; r < kPreRows; ++r) {
+      const float2 f = *reinterpret_cast<const float2*>(fn + ((kPreRows * warp + r) * HC + ek) * kCols + ec);
+      dots[r] = dev::warp_sum(fmaf(f.y, x1, f.x * x0));
+    }
+    const float sq = dev::warp_sum(fmaf(x1, x1, x0 * x0));
+    if (lane == 0) {
+#pragma unroll
+      for (int r = 0; r < kPreRows; ++r) a.part[(kPreRows * warp + r) * nblk + blk] = dots[r];
+      if (warp == 0) a.sq[blk] = sq;
+    }
+  }
+  // arrival: one acquire-release atomic (thread 0, after the CTA barrier: its release covers the CTA's writes, its
+  // acquire orders the finisher's reads of the others' writes after it; those reads go through L2)
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int prev;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(prev) : "l"(a.counter) : "memory");
+    last = prev == nblk - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+
+  // the whole row of the new streams (this launch's own, read through L2) and the norm weight, staged in the rings'
+  // shared memory (every warp is past its stream), in flight while the partials are reduced
+  const int D = a.D, nv = D / 8;
+  uint4* rows = reinterpret_cast<uint4*>(smem);  // [4][nv]
+  uint4* wn = rows + HC * nv;                    // [nv]
+  for (int i = threadIdx.x; i < HC * nv; i += kThreads) cp_async16(rows + i, reinterpret_cast<const uint4*>(a.out) + i, true);
+  for (int i = threadIdx.x; i < nv; i += kThreads) cp_async16(wn + i, reinterpret_cast<const uint4*>(a.nw) + i, true);
+  cp_async_commit();
+  mhc::reduce_mixes<kPreRows, 8>(a.part, a.sq, 0, nblk, static_cast<long long>(HC) * D, a.norm_eps, mix, warp, lane);
+  cp_async_wait<0>();
+  __syncthreads();
+  if (warp == 0) {  // post' and the Sinkhorn comb
+    mhc::sinkhorn_warp(mix, bs + MIX, bs, a.iters, a.hc_eps, a.npost, a.ncomb, lane);
+  } else {  // y = sum_j pre_j X_j (bf16), then its RMSNorm; vectors r0, r0 + 224, .. as mhc.cu's finish takes them
+    constexpr int kRowThreads = kThreads - 32;
+    const int r0 = static_cast<int>(threadIdx.x) - 32;
+    float pre[HC];
+    mhc::pre_weights(mix, bs + MIX, bs, a.hc_eps, pre);
+    uint4 yq[kPreRV];
+    float ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kPreRV; ++i) {
+      const int v = r0 + i * kRowThreads;
+      uint4 q[HC];
+#pragma unroll
+      for (int j = 0; j < HC; ++j) q[j] = v < nv ? rows[j * nv + v] : make_uint4(0, 0, 0, 0);
+      mhc::y_vector(q, pre, yq[i], ss);  // vectors past the row hold zeros
+    }
+    const float rinv = mhc::row_rinv(ss, red, warp, lane, D, a.eps);
+#pragma unroll
+    for (int i = 0; i < kPreRV; ++i) {
+      const int v = r0 + i * kRowThreads;
+      if (v < nv) reinterpret_cast<uint4*>(a.ny)[v] = mhc::norm_vector(wn[v], yq[i], rinv);
+    }
+  }
+  if (threadIdx.x == 0) *a.counter = 0;  // every CTA has arrived: ready for the next launch
+}
+
+template <bool PRE>
 __global__ void __launch_bounds__(kThreads, 3) moe_down_kernel(const MoeArgs a) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const WarpSmem s = carve(smem, warp, a.I);
-  const int row0 = static_cast<int>(blockIdx.x) * 16;
+  const int row0 = static_cast<int>(blockIdx.x) * kCols;
   const bool routed = warp < a.k;
   const bool shared = a.has_shared && warp >= kWarps - 2;
   dev::griddep_launch_dependents();
+  // the next pre's mixer slice for this CTA's columns (24 rows x 4 streams x 16, fp32), base and scale (weights: never
+  // written by an earlier kernel) copied into shared memory before the wait (the oldest commit group: the rings' waits
+  // cover it); and its norm weight on its way into L2 (one 128-byte line per CTA), which the finishing CTA reads
+  float* pfn = nullptr;
+  float* pbs = nullptr;
+  if constexpr (PRE) {
+    __shared__ __align__(16) float sfn[mhc::MIX * kHc * kCols];
+    __shared__ float sbs[mhc::MIX + 3];
+    pfn = sfn;
+    pbs = sbs;
+    const long long K = static_cast<long long>(kHc) * a.D;
+    for (int i = threadIdx.x; i < mhc::MIX * kHc * kCols / 4; i += kThreads) {  // 16-byte pieces
+      const int r = i / (kHc * kCols / 4), k = (i / (kCols / 4)) % kHc, q = i % (kCols / 4);
+      cp_async16(sfn + 4 * i, a.nfn + r * K + static_cast<long long>(k) * a.D + row0 + 4 * q, true);
+    }
+    if (threadIdx.x < mhc::MIX + 3) {
+      dev::cp_async4(sbs + threadIdx.x, threadIdx.x < mhc::MIX ? a.nbase + threadIdx.x : a.nscale + (threadIdx.x - mhc::MIX));
+    }
+    cp_async_commit();
+    if (threadIdx.x == 0 && blockIdx.x * 64 < a.D) {
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(a.nw + blockIdx.x * 64));
+    }
+  }
   // The routed w2 weights are issued before the wait too: the expert ids come from the router, the kernel before
   // moe_up_kernel, whose CTAs trigger this launch only after their own wait, i.e. once the router has completed and
   // its writes are performed. The ids are read through L2 (ld.global.cg), never a stale L1 line.
@@ -471,34 +619,14 @@ __global__ void __launch_bounds__(kThreads, 3) moe_down_kernel(const MoeArgs a) 
     quantize_x<true>(xr, a.I / 128, s, lane);
     run<true>(j, l, s, warp, lane);
   }
+  if constexpr (PRE) cp_async_wait<0>();  // the mixer slice (warps without a stream waited for nothing yet)
   __syncthreads();
-  if (threadIdx.x < 16) {
-    const int r = threadIdx.x;
-    long long ids[6];
-    for (int i = 0; i < a.k; ++i) ids[i] = a.idx[i];
-    float y = 0.0f;
-    unsigned used = 0;
-    for (int n = 0; n < a.k; ++n) {  // ascending (expert id, slot)
-      int best = -1;
-      for (int i = 0; i < a.k; ++i) {
-        if (!(used >> i & 1u) && (best < 0 || ids[i] < ids[best])) best = i;
-      }
-      used |= 1u << best;
-      y += bf16_round(s.red[best * 16 + r]);
-    }
-    if (a.has_shared) y += bf16_round(s.red[(kWarps - 2) * 16 + r] + s.red[(kWarps - 1) * 16 + r]);
-    const __nv_bfloat16 yb = __float2bfloat16_rn(y);
-    a.y[row0 + r] = yb;
-    if (a.out != nullptr) {  // the mHC post of this column, mhc_post's per-element FMAs (its Triton kernel's bits)
-      const int d = row0 + r;
-#pragma unroll
-      for (int j = 0; j < kHc; ++j) {
-        float acc = 0.0f;
-#pragma unroll
-        for (int i = 0; i < kHc; ++i) acc = fmaf(a.comb[i * kHc + j], __bfloat162float(a.streams[i * a.D + d]), acc);
-        a.out[j * a.D + d] = __float2bfloat16_rn(fmaf(a.post[j], __bfloat162float(yb), acc));
-      }
-    }
+  if constexpr (PRE) {
+    __shared__ float vals[kHc * kCols];
+    down_epilogue(a, s, row0, vals);
+    next_pre(a, smem, vals, pfn, pbs, warp, lane);
+  } else {
+    down_epilogue(a, s, row0, nullptr);
   }
 }
 
@@ -511,11 +639,14 @@ cudaError_t launch(void (*kernel)(MoeArgs), const MoeArgs& a, int grid, int smem
 }  // namespace
 
 cudaError_t moe_decode_launch(const MoeArgs& a, bool pdl, cudaStream_t stream) {
+  // the next pre's finish stages the new streams' row and the norm weight (10 D bytes) in the down kernel's shared memory
+  if (a.nfn != nullptr && 10 * a.D > smem_bytes(a.I)) return cudaErrorInvalidValue;
   const int up = (a.has_shared ? a.I / 16 : 0) + a.k * (a.I / 16);
   cudaError_t e = launch(a.xq != nullptr ? moe_up_kernel<true> : moe_up_kernel<false>, a, up, smem_bytes(a.D / 4), pdl,
                          stream);
   if (e != cudaSuccess) return e;
-  return launch(moe_down_kernel, a, a.D / 16, smem_bytes(a.I), pdl, stream);
+  return launch(a.nfn != nullptr ? moe_down_kernel<true> : moe_down_kernel<false>, a, a.D / kCols, smem_bytes(a.I), pdl,
+                stream);
 }
 
 }  // namespace dsv4

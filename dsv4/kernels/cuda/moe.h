@@ -37,6 +37,20 @@ struct MoeArgs {
   const float* post;  // [4]
   const float* comb;  // [4, 4]
   __nv_bfloat16* out;
+  // the next sublayer's mHC pre and RMSNorm on the new streams (with out; null nfn: none): mhc_pre_norm's outputs
+  // ny [D] bf16, npost [4], ncomb [4, 4] fp32, finished by the down kernel's last CTA (see moe.cu)
+  const float* nfn;         // [24, 4 D] mixer
+  const float* nbase;       // [24]
+  const float* nscale;      // [3]
+  const __nv_bfloat16* nw;  // [D] the RMSNorm weight
+  __nv_bfloat16* ny;
+  float* npost;
+  float* ncomb;
+  float* part;   // [24, D / 16] scratch: the CTAs' partial mixes (per mixer row, CTA order)
+  float* sq;     // [D / 16] scratch: their partial sums of squares
+  int* counter;  // [1] arrival counter, zero before and after every launch
+  int iters;     // Sinkhorn iterations
+  float hc_eps, norm_eps, eps;
   int D, I, k, has_shared;
   float limit;       // SwiGLU clamp (<= 0: none)
 };
