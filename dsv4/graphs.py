@@ -132,7 +132,7 @@ class DecodeRunner:
         elif isinstance(out, tuple):  # the streams and the next layer's attention input
             self.x_out[key], self.pre_out[key] = out
         else:
-            self.x_out[key] = out
+            self.x_out[key], self.pre_out[key] = out, None  # (the next layer makes its own)
 
     def _upload(self, token: int, pos: int) -> None:
         self.slot = (self.slot + 1) % len(self.ring)

@@ -167,10 +167,11 @@ def make_fast_moe_post(moe_triton, experts_fast):
 
 def make_fast_moe_post_pre(post_fast, pre_norm_fast):
     """The fast `moe_post_pre`: one token on the CUDA decode kernels, the post and the next pre in the down kernel
-    (its last CTA finishes the pre); otherwise the fast moe_post, then the fast mhc_pre_norm (the same kernels as the
-    two ops called apart)."""
+    (its last CTA finishes the pre); otherwise moe_post, then mhc_pre_norm, each as bound now (ops.configure, per-op
+    overrides included): the same kernels as the two ops called apart."""
     if post_fast is None or pre_norm_fast is None:
         return None
+    from dsv4 import ops
     from dsv4.ops import moe_cuda
 
     def moe_post_pre_fast(x, weights, idx, w1, w2, w3, shared, limit, act_quant, streams, post, comb, fn, base, scale,
@@ -180,8 +181,8 @@ def make_fast_moe_post_pre(post_fast, pre_norm_fast):
                 moe_cuda.pre_applies(x, w1.n, fn, base, scale, hc, iters, w):
             return moe_cuda.moe_decode(x, weights, idx, w1, w2, w3, shared, limit, (streams, post, comb),
                                        (fn, base, scale, iters, hc_eps, norm_eps, w, eps))
-        x_new = post_fast(x, weights, idx, w1, w2, w3, shared, limit, act_quant, streams, post, comb)
-        return (x_new, *pre_norm_fast(x_new, fn, base, scale, hc, iters, hc_eps, norm_eps, w, eps))
+        x_new = ops.OPS["moe_post"].impl(x, weights, idx, w1, w2, w3, shared, limit, act_quant, streams, post, comb)
+        return (x_new, *ops.OPS["mhc_pre_norm"].impl(x_new, fn, base, scale, hc, iters, hc_eps, norm_eps, w, eps))
 
     moe_post_pre_fast.__doc__ = moe_post_pre_ref.__doc__
     return moe_post_pre_fast

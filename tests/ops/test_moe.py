@@ -198,9 +198,10 @@ def test_moe_post_interpreted(B, S):
 @cpu_tier
 @pytest.mark.parametrize("B,S", [(1, 1), (1, 3)])
 def test_moe_post_pre_interpreted(B, S):
-    """The fast moe_post_pre off the CUDA path: the fast moe_post, then the fast mhc_pre_norm on its streams (the two
-    ops' own results, bit for bit), and within tolerance of moe_post_pre_ref (the pre judged on the fast streams, as
-    ab_compare does)."""
+    """The fast moe_post_pre off the CUDA path: moe_post, then mhc_pre_norm on its streams, as bound (the two fast ops'
+    own results, bit for bit; with mhc_pre_norm overridden to its reference, that reference's), and within tolerance
+    of moe_post_pre_ref (the pre judged on the fast streams, as ab_compare does). Distinct eps values: a swapped
+    argument would show."""
     from dsv4 import ops
     from dsv4.ops.mhc import mhc_pre_norm_ref
     from dsv4.ops.moe import moe_post_pre_ref
@@ -214,9 +215,15 @@ def test_moe_post_pre_interpreted(B, S):
     fn = torch.randn(24, 4 * D, generator=g) * 0.5 * (4 * D) ** -0.5
     base, scale = torch.randn(24, generator=g) * 0.5, 1 + torch.randn(3, generator=g) * 0.3
     w = (1 + 0.3 * torch.randn(D, generator=g)).to(torch.bfloat16)
-    pre = (fn, base, scale, 4, 20, 1e-6, 1e-6, w, 1e-6)
+    pre = (fn, base, scale, 4, 20, 1e-6, 3e-5, w, 2e-3)
     args = (x, wts, idx, w1, w2, w3, shared, 10.0, True, streams, post, comb)
-    got = ops.OPS["moe_post_pre"].fast(*args, *pre)
+    ops.configure("fast", "cpu")
+    try:
+        got = ops.OPS["moe_post_pre"].fast(*args, *pre)
+        ops.configure("fast", "cpu", {"mhc_pre_norm": "ref"})
+        got_ref_pre = ops.OPS["moe_post_pre"].fast(*args, *pre)
+    finally:
+        ops.configure("ref", "cpu")
     x_new = ops.OPS["moe_post"].fast(*args)
     for a, b in zip(got, (x_new, *ops.OPS["mhc_pre_norm"].fast(x_new, *pre))):
         assert_bitwise_equal(a, b, "moe_post_pre vs the two ops")
@@ -225,6 +232,8 @@ def test_moe_post_pre_interpreted(B, S):
     for a, b, name in zip(got[1:], mhc_pre_norm_ref(got[0], *pre), ("op_bf16_out", "op_fp32_out", "op_fp32_out")):
         assert a.shape == b.shape and a.dtype == b.dtype
         assert_close_rel(a, b, name)
+    for a, b in zip(got_ref_pre, (x_new, *mhc_pre_norm_ref(x_new, *pre))):
+        assert_bitwise_equal(a, b, "moe_post_pre with mhc_pre_norm bound to its reference")
 
 
 @cpu_tier
