@@ -165,11 +165,11 @@ def make_fast_moe_post(moe_triton, experts_fast):
     return moe_post_fast
 
 
-def make_fast_moe_post_pre(post_fast, pre_norm_fast):
+def make_fast_moe_post_pre(post_fast):
     """The fast `moe_post_pre`: one token on the CUDA decode kernels, the post and the next pre in the down kernel
     (its last CTA finishes the pre); otherwise moe_post, then mhc_pre_norm, each as bound now (ops.configure, per-op
     overrides included): the same kernels as the two ops called apart."""
-    if post_fast is None or pre_norm_fast is None:
+    if post_fast is None:  # no Triton here (mhc_pre_norm's fast path is Triton too): the reference runs
         return None
     from dsv4 import ops
     from dsv4.ops import moe_cuda
@@ -201,12 +201,6 @@ def register_ops(register) -> None:
     register("moe_post", moe_post_ref, post_fast, interpretable=True,
              doc="moe_experts, then the FFN's mhc_post into the residual streams",
              cuda="decode, one token: the post in the experts' down kernel")
-    from dsv4.ops.mhc import make_fast_boundaries
-
-    try:
-        from dsv4.ops import mhc_triton
-    except ImportError:
-        mhc_triton = None
-    register("moe_post_pre", moe_post_pre_ref, make_fast_moe_post_pre(post_fast, make_fast_boundaries(mhc_triton)[0]),
+    register("moe_post_pre", moe_post_pre_ref, make_fast_moe_post_pre(post_fast),
              interpretable=True, doc="moe_post, then the next sublayer's mhc_pre_norm on the new streams",
              cuda="decode, one token: the post and the next pre in the experts' down kernel")
