@@ -89,6 +89,7 @@ __device__ __forceinline__ void sinkhorn_warp(const float* mix, const float* sca
   const float ex = expf(cc - mx);
   float m = div_full(ex, group_sum<1>(ex)) + hc_eps;
   m = div_full(m, group_sum<4>(m) + hc_eps);  // column normalisation first
+#pragma unroll 1  // the chain is serial: unrolling buys nothing and grows the code that a finishing CTA runs cold
   for (int it = 1; it < iters; ++it) {
     m = div_full(m, group_sum<1>(m) + hc_eps);
     m = div_full(m, group_sum<4>(m) + hc_eps);

@@ -14,9 +14,12 @@
 //   (its mixer slice, base and scale copied into shared memory before griddepcontrol.wait), and the last CTA to arrive
 //   finishes the token as the mHC boundary kernel does (mhc_dev.h: the same reduction, Sinkhorn, y and RMSNorm; the
 //   row staged through the rings' shared memory). Against the boundary kernel only the partials' grouping differs (256
-//   chunks of 16 columns instead of 64 of 64): fp32 summation order. (Measured on an H200 that finish costs ~8 us on
-//   the critical path, more than the whole boundary kernel launched after this one: the model keeps it off by
-//   default, Transformer.fuse_pre; docs/performance.md, thirty-seventh pass.)
+//   chunks of 16 columns instead of 64 of 64): fp32 summation order. The finish's loops stay rolled: it runs once per
+//   token in one CTA, from cold instruction caches (unrolled, the kernel was 7,000 SASS instructions and the finish
+//   ~4.5 us a layer slower). (Measured on an H200 the fused model is still 0-5 us a layer slower than the boundary
+//   kernel launched in the next layer, so the model keeps it off by default, Transformer.fuse_pre; %globaltimer stamps
+//   put the last CTA's arrival ~3.8 us after its streams end and the Sinkhorn at ~3.2 us: docs/performance.md,
+//   thirty-seventh and thirty-eighth passes.)
 //
 // Numerics. x (and h) are quantized in the kernel to e4m3 with a power-of-two scale per 128 (DeepSeek's act_quant),
 // or x's codes come with it (a.xq, a.xqs: the FFN's mHC boundary writes them beside x) and the up kernel only widens
@@ -57,7 +60,6 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kHc = 4;  // mHC streams (the fused post)
 constexpr int kCols = 16;                        // output rows of a down CTA: its columns of the new streams
 constexpr int kPreRows = mhc::MIX / kWarps;      // mixer rows per warp in the next pre's partials (3)
-constexpr int kPreRV = 5;                        // row vectors per finishing thread: D / 8 over 224 threads, D <= 8192
 constexpr int NSTEP = 2;                         // 64-byte steps per ring chunk (fp8: one 128-column block)
 constexpr int kStepB = 1024;                     // ring bytes of one step: 16 rows x 64 bytes
 constexpr int NBUF = 3;                          // chunks in a warp's cp.async ring: two in flight, one multiplied
@@ -519,7 +521,9 @@ __device__ __forceinline__ void next_pre(const MoeArgs& a, unsigned char* smem, 
   const int D = a.D, nv = D / 8;
   uint4* rows = reinterpret_cast<uint4*>(smem);  // [4][nv]
   uint4* wn = rows + HC * nv;                    // [nv]
+#pragma unroll 1
   for (int i = threadIdx.x; i < HC * nv; i += kThreads) cp_async16(rows + i, reinterpret_cast<const uint4*>(a.out) + i, true);
+#pragma unroll 1
   for (int i = threadIdx.x; i < nv; i += kThreads) cp_async16(wn + i, reinterpret_cast<const uint4*>(a.nw) + i, true);
   cp_async_commit();
   mhc::reduce_mixes<kPreRows, 8>(a.part, a.sq, 0, nblk, static_cast<long long>(HC) * D, a.norm_eps, mix, warp, lane);
@@ -532,22 +536,18 @@ __device__ __forceinline__ void next_pre(const MoeArgs& a, unsigned char* smem, 
     const int r0 = static_cast<int>(threadIdx.x) - 32;
     float pre[HC];
     mhc::pre_weights(mix, bs + MIX, bs, a.hc_eps, pre);
-    uint4 yq[kPreRV];
     float ss = 0.0f;
+#pragma unroll 1
+    for (int v = r0; v < nv; v += kRowThreads) {  // y kept over stream 0's vector (only this thread reads it again)
+      uint4 q[HC], y;
 #pragma unroll
-    for (int i = 0; i < kPreRV; ++i) {
-      const int v = r0 + i * kRowThreads;
-      uint4 q[HC];
-#pragma unroll
-      for (int j = 0; j < HC; ++j) q[j] = v < nv ? rows[j * nv + v] : make_uint4(0, 0, 0, 0);
-      mhc::y_vector(q, pre, yq[i], ss);  // vectors past the row hold zeros
+      for (int j = 0; j < HC; ++j) q[j] = rows[j * nv + v];
+      mhc::y_vector(q, pre, y, ss);
+      rows[v] = y;
     }
     const float rinv = mhc::row_rinv(ss, red, warp, lane, D, a.eps);
-#pragma unroll
-    for (int i = 0; i < kPreRV; ++i) {
-      const int v = r0 + i * kRowThreads;
-      if (v < nv) reinterpret_cast<uint4*>(a.ny)[v] = mhc::norm_vector(wn[v], yq[i], rinv);
-    }
+#pragma unroll 1
+    for (int v = r0; v < nv; v += kRowThreads) reinterpret_cast<uint4*>(a.ny)[v] = mhc::norm_vector(wn[v], rows[v], rinv);
   }
   if (threadIdx.x == 0) *a.counter = 0;  // every CTA has arrived: ready for the next launch
 }
