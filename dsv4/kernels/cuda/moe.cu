@@ -18,8 +18,9 @@
 //   token in one CTA, from cold instruction caches (unrolled, the kernel was 7,000 SASS instructions and the finish
 //   ~4.5 us a layer slower). (Measured on an H200 the fused model is still 0-5 us a layer slower than the boundary
 //   kernel launched in the next layer, so the model keeps it off by default, Transformer.fuse_pre; %globaltimer stamps
-//   put the last CTA's arrival ~3.8 us after its streams end and the Sinkhorn at ~3.2 us: docs/performance.md,
-//   thirty-seventh and thirty-eighth passes.)
+//   in the finishing CTA: its epilogue ~3 us (before its loads came in one round, see down_epilogue), the arrival
+//   ~0.8 us, the staging and reduction ~1.2 us, the Sinkhorn ~2.7 us: docs/performance.md, thirty-seventh and
+//   thirty-eighth passes.)
 //
 // Numerics. x (and h) are quantized in the kernel to e4m3 with a power-of-two scale per 128 (DeepSeek's act_quant),
 // or x's codes come with it (a.xq, a.xqs: the FFN's mHC boundary writes them beside x) and the up kernel only widens
@@ -443,33 +444,57 @@ __global__ void __launch_bounds__(kThreads, 3) moe_up_kernel(const MoeArgs a) {
 }
 
 // the weighted sum over the experts of the CTA's 16 output rows (threads 0-15, one row each), then the FFN's mHC post of
-// those columns (with a.out); vals (or null) receives the new streams' values [4][16] as stored (bf16)
+// those columns (with a.out); vals (or null) receives the new streams' values [4][16] as stored (bf16). Every global
+// input is loaded first, in one round: the compiler must assume that the stores below (y, the new streams) may alias
+// them, so loads placed after a store would wait for it (measured: ~3 us of serial L2 round trips in the last CTA).
+// The experts are summed in ascending (expert id, slot) order, picked by rank in registers (no indexed local array).
 __device__ __forceinline__ void down_epilogue(const MoeArgs& a, const WarpSmem& s, int row0, float* vals) {
+  constexpr int K = 6;  // routed experts, at most (the binding checks 1 <= k <= 6)
   if (threadIdx.x < 16) {
-    const int r = threadIdx.x;
-    long long ids[6];
-    for (int i = 0; i < a.k; ++i) ids[i] = a.idx[i];
-    float y = 0.0f;
-    unsigned used = 0;
-    for (int n = 0; n < a.k; ++n) {  // ascending (expert id, slot)
-      int best = -1;
-      for (int i = 0; i < a.k; ++i) {
-        if (!(used >> i & 1u) && (best < 0 || ids[i] < ids[best])) best = i;
+    const int r = threadIdx.x, d = row0 + r;
+    long long ids[K];
+#pragma unroll
+    for (int i = 0; i < K; ++i) ids[i] = i < a.k ? __ldcg(a.idx + i) : 0;
+    float cb[kHc * kHc], pp[kHc], xs[kHc];
+    if (a.out != nullptr) {
+#pragma unroll
+      for (int i = 0; i < kHc * kHc; ++i) cb[i] = a.comb[i];
+#pragma unroll
+      for (int j = 0; j < kHc; ++j) {
+        pp[j] = a.post[j];
+        xs[j] = __bfloat162float(a.streams[j * a.D + d]);
       }
-      used |= 1u << best;
-      y += bf16_round(s.red[best * 16 + r]);
+    }
+    float rv[K];
+    int rank[K];
+#pragma unroll
+    for (int i = 0; i < K; ++i) {
+      rv[i] = i < a.k ? bf16_round(s.red[i * 16 + r]) : 0.0f;
+      int n = 0;
+#pragma unroll
+      for (int j = 0; j < K; ++j) n += (j < a.k && (ids[j] < ids[i] || (ids[j] == ids[i] && j < i))) ? 1 : 0;
+      rank[i] = n;
+    }
+    float y = 0.0f;
+#pragma unroll
+    for (int n = 0; n < K; ++n) {
+      if (n < a.k) {
+        float v = 0.0f;
+#pragma unroll
+        for (int i = 0; i < K; ++i) v = (i < a.k && rank[i] == n) ? rv[i] : v;
+        y += v;
+      }
     }
     if (a.has_shared) y += bf16_round(s.red[(kWarps - 2) * 16 + r] + s.red[(kWarps - 1) * 16 + r]);
     const __nv_bfloat16 yb = __float2bfloat16_rn(y);
-    a.y[row0 + r] = yb;
+    a.y[d] = yb;
     if (a.out != nullptr) {  // the mHC post of this column, mhc_post's per-element FMAs (its Triton kernel's bits)
-      const int d = row0 + r;
 #pragma unroll
       for (int j = 0; j < kHc; ++j) {
         float acc = 0.0f;
 #pragma unroll
-        for (int i = 0; i < kHc; ++i) acc = fmaf(a.comb[i * kHc + j], __bfloat162float(a.streams[i * a.D + d]), acc);
-        const __nv_bfloat16 o = __float2bfloat16_rn(fmaf(a.post[j], __bfloat162float(yb), acc));
+        for (int i = 0; i < kHc; ++i) acc = fmaf(cb[i * kHc + j], xs[i], acc);
+        const __nv_bfloat16 o = __float2bfloat16_rn(fmaf(pp[j], __bfloat162float(yb), acc));
         a.out[j * a.D + d] = o;
         if (vals != nullptr) vals[j * kCols + r] = __bfloat162float(o);
       }
