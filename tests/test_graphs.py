@@ -197,6 +197,42 @@ def test_graph_decode_with_the_next_pre_in_the_ffn_op(kernels):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kernels", ["fast"], indirect=True)
+def test_graph_decode_with_the_next_pre_in_the_down_kernel(kernels, monkeypatch):
+    # Transformer.fuse_pre at a width where the experts' CUDA kernels run (D 2048, inter 512, MXFP4 + FP8 shared): the
+    # down kernel's last CTA makes the next layer's attention input, which the next graph reads in place; graph ==
+    # eager, and both took the fused kernel (a spy on moe_cuda.moe_decode: each step's first two layers hand it pre)
+    from dsv4.ops import moe_cuda
+
+    raw = tiny_config([4, 128, 0], index_topk=3, window=16, max_pos=512, hidden=2048, head_dim=128, rope_dim=64,
+                      index_dim=64, expert_dtype="fp4", moe_intermediate_size=512,
+                      quantization_config=dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic",
+                                               scale_fmt="ue8m0", weight_block_size=[128, 128]))
+    model = randomize_(Transformer(ModelConfig.from_dict(raw), Numerics("reference", torch.bfloat16)).place(["cuda:0"]), 6)
+    model.fuse_pre = True
+    calls = []
+    real = moe_cuda.moe_decode
+
+    def spy(*a, **k):
+        calls.append((a[9] if len(a) > 9 else k.get("pre")) is not None)
+        return real(*a, **k)
+
+    monkeypatch.setattr(moe_cuda, "moe_decode", spy)
+    ids = _ids(raw, 140, seed=10)
+    eager = DecodeRunner(model, model.new_state(len(ids)), use_graphs=False)
+    ref = torch.stack([eager.step(t).clone() for t in ids])
+    assert calls.count(True) == 2 * len(ids) and calls.count(False) == len(ids), (calls.count(True), len(calls))
+    calls.clear()
+    graphs = DecodeRunner(model, model.new_state(len(ids)), use_graphs=True)  # warm-ups and capture
+    assert calls and calls.count(True) == 2 * calls.count(False), calls
+    calls.clear()
+    out = torch.stack([graphs.step(t).clone() for t in ids])
+    assert not calls  # replays only
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kernels", ["fast"], indirect=True)
 def test_graph_decode_reference_numerics_bf16(kernels):
     # the CLI's default numerics at a width where every fast kernel tiles (FP8 + MXFP4 weights; 32 experts: the CUDA
     # router, whose gate copy starts before the boundary kernel ends)

@@ -20,7 +20,8 @@ from dsv4.testing import assert_bitwise_equal, assert_close_rel, graph_replay
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("built_sm90")]
 TOL = "op_fp8_mma_bf16_out"
-ITERS, HC_EPS, NORM_EPS, EPS = 20, 1e-6, 1e-6, 1e-6  # the next pre's Sinkhorn and norms (test_mhc_cuda's)
+ITERS, HC_EPS, NORM_EPS, EPS = 20, 1e-4, 0.05, 0.3  # the next pre's Sinkhorn and norms: distinct and large enough that
+# an argument taken for another moves the outputs past their tolerances (streams ~2 randn: mean square ~4)
 NO_PRE = (None,) * 10 + (1, 0.0, 0.0, 0.0)  # moe_decode's trailing arguments without the next sublayer's pre
 
 
