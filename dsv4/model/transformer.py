@@ -147,9 +147,9 @@ class Transformer(nn.Module):
         self._head: tuple | None = None  # (key, PreparedLinear) of the LM head
         self._step_plans: dict = {}  # device -> (pos buffer address, the decode step's StepPlan)
         # True: each layer's attention input is made by the FFN op of the layer before on its device (ops.moe_post_pre:
-        # in a decode step one launch fewer, the down kernel's last CTA finishes it). Off by default: on an H200 that
-        # finish costs ~8 us more than the down kernel without it, against ~7 us saved in the next layer
-        # (docs/performance.md, thirty-seventh pass)
+        # in a decode step one launch fewer, the down kernel's last CTA finishes it). Off by default: on an H200 the
+        # fused model is still 3-7 us a layer slower in three of the four layer kinds (docs/performance.md,
+        # thirty-seventh and thirty-eighth passes)
         self.fuse_pre = False
 
     # ---- official names: a routed expert's linear is a view into its layer's stack ----
