@@ -25,6 +25,17 @@ __device__ __forceinline__ void griddep_launch_dependents() {
 #endif
 }
 
+// A launch's last CTA to arrive finishes its work: after a __syncthreads that orders the CTA's writes before it,
+// thread 0 adds 1 to *counter with acquire-release semantics at GPU scope (its release covers the CTA's writes, its
+// acquire orders the CTA's later reads, after the next __syncthreads, behind every earlier CTA's release: MEMBAR.ALL,
+// the atomic, an L1 invalidate; two __threadfence()s would be two sequentially consistent MEMBAR.SC). Thread 0 only:
+// the counter's previous value
+__device__ __forceinline__ int arrive_acq_rel(int* counter) {
+  int prev;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(prev) : "l"(counter) : "memory");
+  return prev;
+}
+
 // 16 bytes global -> shared, asynchronously (zero-filled when !ok). Weights travel this way so that their loads are
 // issued before griddepcontrol.wait: ptxas sinks plain register loads below the wait, cp.async it keeps in place.
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool ok) {

@@ -118,14 +118,10 @@ __global__ void __launch_bounds__(kThreads, MINB) mhc_boundary_kernel(const MhcA
     }
   }
 
-  // arrival: the token's last CTA finishes it (cooperative groups' grid-barrier pattern: the CTA's writes are ordered
-  // before thread 0's fence by the barrier; the fence after the atomic orders the finisher's reads after it)
+  // arrival: the token's last CTA finishes it (the CTA's writes are ordered before thread 0's acquire-release atomic by
+  // the barrier; its acquire orders the finisher's reads, after the next barrier, behind every other CTA's writes)
   __syncthreads();
-  if (tid == 0) {
-    __threadfence();
-    last = atomicAdd(a.counter + t, 1) == nch - 1;
-    __threadfence();
-  }
+  if (tid == 0) last = dev::arrive_acq_rel(a.counter + t) == nch - 1;
   dev::cp_async_wait<0>();  // base and scale (landed long ago; no CTA exits with a copy in flight)
   __syncthreads();
   if (!last) return;

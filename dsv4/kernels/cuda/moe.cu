@@ -533,11 +533,7 @@ __device__ __forceinline__ void next_pre(const MoeArgs& a, unsigned char* smem, 
   // arrival: one acquire-release atomic (thread 0, after the CTA barrier: its release covers the CTA's writes, its
   // acquire orders the finisher's reads of the others' writes after it; those reads go through L2)
   __syncthreads();
-  if (threadIdx.x == 0) {
-    int prev;
-    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(prev) : "l"(a.counter) : "memory");
-    last = prev == nblk - 1;
-  }
+  if (threadIdx.x == 0) last = dev::arrive_acq_rel(a.counter) == nblk - 1;
   __syncthreads();
   if (!last) return;
 

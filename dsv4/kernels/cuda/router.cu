@@ -188,13 +188,11 @@ __global__ void __launch_bounds__(kThreads) router_kernel(const RouterArgs a) {
 #pragma unroll
     for (int w = 1; w < kWarps; ++w) s += red[w][tid];
     if (e < a.E) a.logits[t * a.E + e] = s;
-    __threadfence();  // the logits are visible before this CTA's arrival
   }
-  __syncthreads();
-  if (tid == 0) last = atomicAdd(a.counter, 1) == static_cast<int>(gridDim.x) - 1;
+  __syncthreads();  // the logits written before thread 0's release; every CTA's read below (through L2, __ldcg) after
+  if (tid == 0) last = dev::arrive_acq_rel(a.counter) == static_cast<int>(gridDim.x) - 1;  // its acquire
   __syncthreads();
   if (!last) return;
-  __threadfence();  // every CTA's logits, read below through L2 (__ldcg)
   select_all(a, reinterpret_cast<float*>(gate), sbias, tid, warp, lane);
   if (tid == 0) *a.counter = 0;  // for the next launch (which reads it only after its griddepcontrol.wait)
 }
