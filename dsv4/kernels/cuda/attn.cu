@@ -509,6 +509,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_decode_kernel(const A
       v[k].w += pr.w * w;
     }
   }
+  // this CTA is done reading the others' partials (their values are in v): it says so before its stores and waits for
+  // the others' word only before leaving (its shared memory must outlive their reads), the barrier under the stores
+  cluster_arrive_relaxed();
 #pragma unroll
   for (int k = 0; k < kUnits; ++k) {
     const int u = (k * C + r) * kThreads + tid;
@@ -516,7 +519,6 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_decode_kernel(const A
     if (kOut % (C * kThreads) != 0 && u >= kOut) continue;
     store_out4(a, ob + h * a.so_h, s, d, v[k], sm.zt[h]);
   }
-  cluster_arrive_relaxed();  // the other CTAs are done reading this one's partials
   cluster_wait();
 }
 

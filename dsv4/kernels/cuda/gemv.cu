@@ -391,7 +391,12 @@ __global__ void __launch_bounds__(kThreads, NORM ? 4 : 0) gemv_kernel(const Gemv
       }
       red[nout + o] = v;  // past the WK = 1 partials: wk >= 1 slots, no longer read (WK > 1), or scratch
     }
-    cluster.sync();  // the other CTAs are done reading this one's partials
+    // this CTA is done reading the others' partials (their values are used above): it says so now, stores, and waits
+    // for the others' word only before leaving (its shared memory must outlive their reads of it), so the barrier's
+    // round trip overlaps the stores
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+    // (the NORM instances, capped at 64 registers, wait here: with the wait after the stores they spill 8 bytes)
+    if constexpr (NORM) asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
   } else {
     __syncthreads();
   }
@@ -406,6 +411,7 @@ __global__ void __launch_bounds__(kThreads, NORM ? 4 : 0) gemv_kernel(const Gemv
       static_cast<__nv_bfloat16*>(a.out)[off] = __float2bfloat16_rn(v);
     }
   }
+  if (!NORM && S > 1) asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
 }
 
 template <int FMT, int NSTEP, bool XSPLIT, bool NORM>
