@@ -510,7 +510,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_decode_kernel(const A
     }
   }
   // this CTA is done reading the others' partials (their values are in v): it says so before its stores and waits for
-  // the others' word only before leaving (its shared memory must outlive their reads), the barrier under the stores
+  // the others' word only before leaving (its shared memory must outlive their reads), the barrier under the stores.
+  // (Relaxed: this relies on the remote loads' values being consumed, in v, before the arrive issues; see gemv.cu)
   cluster_arrive_relaxed();
 #pragma unroll
   for (int k = 0; k < kUnits; ++k) {

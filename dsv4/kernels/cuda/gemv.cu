@@ -393,7 +393,10 @@ __global__ void __launch_bounds__(kThreads, NORM ? 4 : 0) gemv_kernel(const Gemv
     }
     // this CTA is done reading the others' partials (their values are used above): it says so now, stores, and waits
     // for the others' word only before leaving (its shared memory must outlive their reads of it), so the barrier's
-    // round trip overlaps the stores
+    // round trip overlaps the stores. The arrive is relaxed: the PTX model orders no earlier load before it, so this
+    // relies on every remote load's value being consumed (v above) before the arrive issues, which a warp's in-order
+    // issue then guarantees (checked in the SASS of every instance, nvcc 13.0). The release form (.release: a
+    // MEMBAR.ALL.GPU before the arrive) would not rely on it; it was not measured
     asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
     // (the NORM instances, capped at 64 registers, wait here: with the wait after the stores they spill 8 bytes)
     if constexpr (NORM) asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
