@@ -71,8 +71,6 @@ __global__ void __launch_bounds__(kThreads, NORM ? 4 : 0) gemv_kernel(const Gemv
   constexpr int NBUF = 3;  // chunks of NSTEP steps in the cp.async ring: two in flight while one is multiplied
   const int nslot = nchunk < NBUF ? nchunk : NBUF;
 
-  griddep_launch_dependents();
-
   // ---- weights: a ring of chunks wsm[slot][step][row g | g+8][thread], 16 bytes each; every thread copies and
   // later reads back only its own slots (no barrier). One commit group per chunk, empty past the last, so that
   // wait_group(NBUF - 1) always means "chunk c has landed". The first NBUF - 1 chunks and the FP8 block scales
@@ -107,6 +105,11 @@ __global__ void __launch_bounds__(kThreads, NORM ? 4 : 0) gemv_kernel(const Gemv
   for (int c = 0; c < NBUF - 1; ++c) issue(c);
 
   griddep_wait();
+  // the trigger after the wait, not at entry: the dependent's CTAs (the next GEMV, streaming its own first chunks)
+  // then launch once the previous kernel has finished, not beside its last phase (the mHC boundary's finish before
+  // wq_a || wkv; at entry: +2.3..2.6 us in SWA layers, +0.5 in HCA at 1K, 40th pass; after the chunk loop: 4 us a
+  // 4-layer step slower than here, the CSA and HCA layers slower than at entry)
+  griddep_launch_dependents();
 
   // ---- x for the CTA's columns -> shared memory
   const int pitch = a.ks + 16;  // bytes (fp8) or elements (bf16, f16) per token row; +16 spreads the banks
