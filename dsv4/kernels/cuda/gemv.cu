@@ -19,8 +19,8 @@
 // copied from rows g and g+8 and reads the matching x bytes for token g (no ldmatrix, no layout change).
 //
 // Programmatic dependent launch: the weight loads (never written by an earlier kernel) are issued before
-// griddepcontrol.wait, as cp.async into shared memory; x is read after it. The kernel triggers its dependents at
-// entry (they start once every CTA of this grid is resident, and wait for its completion before reading).
+// griddepcontrol.wait, as cp.async into shared memory; x is read after it. The kernel triggers its dependents right
+// after its wait (they launch once every CTA of this grid has passed it, and wait for its completion before reading).
 #include <cooperative_groups.h>
 
 #include "common.h"
