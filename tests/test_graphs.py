@@ -99,8 +99,9 @@ def test_next_layers_pre_made_by_the_ffn_op_same_bits():
 
 
 def test_q_norm_and_wq_b_run_as_one_op():
-    # the query's low-rank norm and wq_b || the indexer's wq_b: one norm_linear call per layer and forward, prefill
-    # chunk and decode step alike (its fast path picks the kernels by shape), never a separate norm of q_a
+    # the query's low-rank norm and wq_b || the indexer's wq_b: one norm_linear call per layer and prefill chunk, and
+    # in a decode step one for each (the CSA layer's indexer queries first, their chain forked after them), never a
+    # separate norm of q_a
     from dsv4 import ops
 
     raw = tiny_config([4, 0], index_topk=3, window=16, max_pos=64, hidden=256, head_dim=128, rope_dim=64,
@@ -124,7 +125,7 @@ def test_q_norm_and_wq_b_run_as_one_op():
     finally:
         ops.set_hook(None)
     q_lora = raw["q_lora_rank"]
-    assert [s for name, s in seen if name == "norm_linear"] == [(1, 9, q_lora)] * 2 + [(1, 1, q_lora)] * 2
+    assert [s for name, s in seen if name == "norm_linear"] == [(1, 9, q_lora)] * 2 + [(1, 1, q_lora)] * 3
     assert not [s for name, s in seen if name in ("rmsnorm", "rmsnorm_quant") and s[-1] == q_lora]
 
 

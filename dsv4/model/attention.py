@@ -62,6 +62,9 @@ class Attention(nn.Module):
         for f in (self.qkv_a, self.q_b, self.compress_proj):
             if f is not None:
                 f.prepared()
+        if self.q_b is not None:  # a decode step runs them one by one (begin): views of the fused bytes, own scales
+            for m in self.q_b.members:
+                m.prepared()
 
     def wo_a_grouped(self) -> tuple[torch.Tensor, PreparedLinear | None]:
         """wo_a dequantized once to the activation dtype as [G, o_lora, group_in] (what DeepSeek's convert.py does),
@@ -105,7 +108,16 @@ class Attention(nn.Module):
         q_a, kv = self.qkv_a(x)
         # the query's low-rank norm and wq_b (|| the indexer's wq_b) as one op: a decode step norms inside the GEMV;
         # a prefill chunk's norm hands the GEMM its FP8 codes
-        if self.q_b is not None:
+        idx_fork = None
+        if self.q_b is not None and x.shape[0] * x.shape[1] == 1 and not join:
+            # a decode step of a CSA layer (one token, where each part has its own GEMV config): the indexer's
+            # queries in their own GEMV first (8 MB of 42), and the indexer's chain (rotation, scores, top-k: on the
+            # critical path) forked right after them, so it runs beside the query's wq_b instead of after it
+            q_idx = self.indexer.wq_b.normed(q_a, self.q_norm)
+            plan.n_visible(self.spec.ratio)  # (the chain reads it: made before the fork)
+            idx_fork = SideBranch(x.device)
+            q = self.wq_b.normed(q_a, self.q_norm)
+        elif self.q_b is not None:
             q, q_idx = self.q_b.normed(q_a, self.q_norm)
         else:
             q, q_idx = self.wq_b.normed(q_a, self.q_norm), None
@@ -114,7 +126,7 @@ class Attention(nn.Module):
             if join:
                 comp_branch.join()
                 comp_branch = None
-        return AttnStart(x.shape[0], x.shape[1], rope, cos, sin, q, q_idx, kv, proj, comp_branch, x)
+        return AttnStart(x.shape[0], x.shape[1], rope, cos, sin, q, q_idx, kv, proj, comp_branch, x, idx_fork)
 
     def attend(self, a: "AttnStart", plan: StepPlan, st: BlockState) -> torch.Tensor:
         """The index lists, the indexer (CSA), the queries' and kv's norm + RoPE, the sparse attention and (prefill)
@@ -130,7 +142,7 @@ class Attention(nn.Module):
                 # compressors whose key entries it reads (the same stream), beside the queries' norm + RoPE and
                 # the kv insert
                 n_vis = plan.n_visible(self.spec.ratio)
-                idx_branch = SideBranch(a.q.device)
+                idx_branch = a.idx_fork if a.idx_fork is not None else SideBranch(a.q.device)
                 with idx_branch:
                     idx_comp = self.indexer(a.q_idx, a.proj[4], plan, st.indexer, a.rope, n, n_vis)
             else:  # HCA: every visible entry, ascending
@@ -182,3 +194,6 @@ class AttnStart:
     # the input, referenced until attend() returns: while the side branch is not joined, its GEMM still reads x on the
     # side stream, and a freed x could be handed to the main stream's next allocation
     x: torch.Tensor
+    # a decode step of a CSA layer: the indexer chain's branch, forked after the indexer's queries (its work is queued
+    # by attend(); between the fork and that work the main stream reads no side-stream tensor)
+    idx_fork: SideBranch | None = None

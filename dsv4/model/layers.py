@@ -320,9 +320,11 @@ class SideBranch:
     keep per-device scratch keep a second set for it (`ops.stream_role`).
     Memory: tensors the branch allocates belong to the side stream's pool, and the main stream may still be reading
     one when Python frees it. That is safe because the side stream allocates only inside branches, and every
-    branch starts by waiting for the main stream (the fork): a freed block is handed out again only to work queued
-    after every main-stream read that came before. So: allocate on the side stream only inside a branch, and keep
-    the branch's results referenced until after `join()`.
+    branch starts by waiting for the main stream (the fork, when the SideBranch is made): a freed block is handed out
+    again only to work queued after every main-stream read that came before. So: allocate on the side stream only
+    inside a branch, and keep the branch's results referenced until after `join()`. A branch may be entered later
+    than its fork (its work then queued after more main-stream work) only if the main stream reads no side-stream
+    tensor between the fork and the branch's first allocation.
     In line (no second stream) on the CPU and after `set_overlap(False)`; the results are the same bits."""
 
     def __init__(self, device: torch.device):
