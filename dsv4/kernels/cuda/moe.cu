@@ -193,28 +193,46 @@ __device__ __forceinline__ void load_x(const Job& j, int nblk, int lane, XRegs& 
 }
 
 // -> e4m3 codes (stored as the f16 of their values) + scales per 128 in the warp's shared memory (act_quant)
-// (blocks b0 .. b0 + nblk - 1 of the K range)
-template <bool FP4>
+// (blocks b0 .. b0 + nblk - 1 of the K range). Four blocks at a time, their amax reductions side by side (one shuffle
+// of each per step): block by block, each waiting on its own five shuffles, a routed down warp's 16 blocks took ~2 us
+// after h had arrived (%globaltimer stamps, 41st pass); all 16 side by side spill (80 registers). The up kernel's x
+// (when its codes do not come with it) keeps one block at a time (G = 1): four spill 8 bytes there.
+template <bool FP4, int G = 4>
 __device__ __forceinline__ void quantize_x(const XRegs& r, int nblk, const WarpSmem& s, int lane, int b0 = 0) {
 #pragma unroll
-  for (int b = 0; b < kMaxXV / 128; ++b) {
-    if (b >= nblk) break;
-    const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r.v[b].x));
-    const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r.v[b].y));
-    float amax = fmaxf(fmaxf(fabsf(lo.x), fabsf(lo.y)), fmaxf(fabsf(hi.x), fabsf(hi.y)));
+  for (int g = 0; g < kMaxXV / 128; g += G) {
+    if (g >= nblk) break;
+    float amax[G];
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    float sc, inv;
-    ue8m0_scale(amax, sc, inv);
-    if constexpr (FP4) {  // values 4L..4L+3 of the block: evens to slots (L&1)*2 + {0,1}, odds 4 + (L&1)*2 + {0,1}
-      uint16_t* p = s.xh + (b0 + b) * 128 + (lane >> 1) * 8 + (lane & 1) * 2;
-      *reinterpret_cast<uint32_t*>(p) = dev::e4m3_lo_f16x2(e4m3x2_code(lo.x, hi.x, inv));
-      *reinterpret_cast<uint32_t*>(p + 4) = dev::e4m3_lo_f16x2(e4m3x2_code(lo.y, hi.y, inv));
-    } else {
-      *reinterpret_cast<uint2*>(s.xh + (b0 + b) * 128 + lane * 4) =
-          make_uint2(dev::e4m3_lo_f16x2(e4m3x2_code(lo.x, lo.y, inv)), dev::e4m3_lo_f16x2(e4m3x2_code(hi.x, hi.y, inv)));
+    for (int i = 0; i < G; ++i) {
+      const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r.v[g + i].x));
+      const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r.v[g + i].y));
+      amax[i] = g + i < nblk ? fmaxf(fmaxf(fabsf(lo.x), fabsf(lo.y)), fmaxf(fabsf(hi.x), fabsf(hi.y))) : 0.0f;
     }
-    if (lane == 0) s.xs[b0 + b] = sc;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+      for (int i = 0; i < G; ++i) amax[i] = fmaxf(amax[i], __shfl_xor_sync(0xffffffffu, amax[i], o));
+    }
+#pragma unroll
+    for (int i = 0; i < G; ++i) {
+      const int b = g + i;
+      if (b < nblk) {
+        const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r.v[b].x));
+        const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r.v[b].y));
+        float sc, inv;
+        ue8m0_scale(amax[i], sc, inv);
+        if constexpr (FP4) {  // values 4L..4L+3 of the block: evens to slots (L&1)*2 + {0,1}, odds 4 + (L&1)*2 + {0,1}
+          uint16_t* p = s.xh + (b0 + b) * 128 + (lane >> 1) * 8 + (lane & 1) * 2;
+          *reinterpret_cast<uint32_t*>(p) = dev::e4m3_lo_f16x2(e4m3x2_code(lo.x, hi.x, inv));
+          *reinterpret_cast<uint32_t*>(p + 4) = dev::e4m3_lo_f16x2(e4m3x2_code(lo.y, hi.y, inv));
+        } else {
+          *reinterpret_cast<uint2*>(s.xh + (b0 + b) * 128 + lane * 4) = make_uint2(
+              dev::e4m3_lo_f16x2(e4m3x2_code(lo.x, lo.y, inv)), dev::e4m3_lo_f16x2(e4m3x2_code(hi.x, hi.y, inv)));
+        }
+        if (lane == 0) s.xs[b0 + b] = sc;
+      }
+    }
   }
   __syncwarp();
 }
@@ -263,7 +281,7 @@ struct XStage {
   __device__ __forceinline__ void load(const MoeArgs&, const Job& j, int nblk, int lane) { load_x(j, nblk, lane, xr); }
   template <bool FP4>
   __device__ __forceinline__ void store(int nblk, const WarpSmem& s, int lane, int b0) {
-    quantize_x<FP4>(xr, nblk, s, lane, b0);
+    quantize_x<FP4, 1>(xr, nblk, s, lane, b0);
   }
 };
 
@@ -444,25 +462,34 @@ __global__ void __launch_bounds__(kThreads, 3) moe_up_kernel(const MoeArgs a) {
 }
 
 // the weighted sum over the experts of the CTA's 16 output rows (threads 0-15, one row each), then the FFN's mHC post of
-// those columns (with a.out); vals (or null) receives the new streams' values [4][16] as stored (bf16). Every global
-// input is loaded first, in one round: the compiler must assume that the stores below (y, the new streams) may alias
-// them, so loads placed after a store would wait for it (measured: ~3 us of serial L2 round trips in the last CTA).
+// those columns (with a.out); vals (or null) receives the new streams' values [4][16] as stored (bf16). Its operands
+// were staged before the wait (EpiOperands): the expert ids by the routed warps, the post's comb, post and the CTA's
+// columns of the residual streams by threads 0-15 (written by the mHC boundary kernel, two kernels back: see
+// moe_down_kernel); loaded after the block barrier they were one more L2 round trip in every CTA's tail.
 // The experts are summed in ascending (expert id, slot) order, picked by rank in registers (no indexed local array).
-__device__ __forceinline__ void down_epilogue(const MoeArgs& a, const WarpSmem& s, int row0, float* vals) {
+struct EpiOperands {
+  long long ids[6];
+  float cb[kHc * kHc];
+  float pp[kHc];
+  float xs[kHc * kCols];
+};
+
+__device__ __forceinline__ void down_epilogue(const MoeArgs& a, const WarpSmem& s, const EpiOperands& e, int row0,
+                                              float* vals) {
   constexpr int K = 6;  // routed experts, at most (the binding checks 1 <= k <= 6)
   if (threadIdx.x < 16) {
     const int r = threadIdx.x, d = row0 + r;
     long long ids[K];
 #pragma unroll
-    for (int i = 0; i < K; ++i) ids[i] = i < a.k ? __ldcg(a.idx + i) : 0;
+    for (int i = 0; i < K; ++i) ids[i] = i < a.k ? e.ids[i] : 0;
     float cb[kHc * kHc], pp[kHc], xs[kHc];
     if (a.out != nullptr) {
 #pragma unroll
-      for (int i = 0; i < kHc * kHc; ++i) cb[i] = a.comb[i];
+      for (int i = 0; i < kHc * kHc; ++i) cb[i] = e.cb[i];
 #pragma unroll
       for (int j = 0; j < kHc; ++j) {
-        pp[j] = a.post[j];
-        xs[j] = __bfloat162float(a.streams[j * a.D + d]);
+        pp[j] = e.pp[j];
+        xs[j] = e.xs[j * kCols + r];
       }
     }
     float rv[K];
@@ -608,6 +635,20 @@ __global__ void __launch_bounds__(kThreads, 3) moe_down_kernel(const MoeArgs a) 
   // The routed w2 weights are issued before the wait too: the expert ids come from the router, the kernel before
   // moe_up_kernel, whose CTAs trigger this launch only after their own wait, i.e. once the router has completed and
   // its writes are performed. The ids are read through L2 (ld.global.cg), never a stale L1 line.
+  // the epilogue's operands (EpiOperands), loaded before the wait and stored after it: the routed warps' expert ids
+  // (read for their w2 addresses anyway); comb, post and the residual streams, written by the mHC boundary kernel
+  // before the router: this launch needs every moe_up CTA past its wait (router complete), and the router's CTAs
+  // waited on the boundary kernel, so its writes are complete and performed; read through L2 (ld.global.cg)
+  __shared__ EpiOperands epi;
+  float eo[kHc + 2];
+  const bool epi_loader = a.out != nullptr && threadIdx.x < 16;
+  if (epi_loader) {
+    const int r = threadIdx.x;
+#pragma unroll
+    for (int jj = 0; jj < kHc; ++jj) eo[jj] = __bfloat162float(__ldcg(a.streams + jj * a.D + row0 + r));
+    eo[kHc] = __ldcg(a.comb + r);
+    eo[kHc + 1] = r < kHc ? __ldcg(a.post + r) : 0.0f;
+  }
   Job j;
   if (shared) {  // half (warp - 6) of the shared expert's K
     const int half = warp - (kWarps - 2), kh = a.I / 2;
@@ -625,7 +666,9 @@ __global__ void __launch_bounds__(kThreads, 3) moe_down_kernel(const MoeArgs a) 
     quantize_x<false>(xr, kh / 128, s, lane);
     run<false>(j, l, s, warp, lane);
   } else if (routed) {
-    const long long r = __ldcg(a.idx + warp) * a.D + row0;
+    const long long id = __ldcg(a.idx + warp);
+    if (lane == 0) epi.ids[warp] = id;
+    const long long r = id * a.D + row0;
     j.w = a.w2 + r * (a.I / 2);
     j.ld = a.I / 2;
     j.sc = a.s2 + r * (a.I / 32);
@@ -634,6 +677,13 @@ __global__ void __launch_bounds__(kThreads, 3) moe_down_kernel(const MoeArgs a) 
     const Lane l = lane_of(j, s, lane);
     prefetch<true>(j, l, s, lane);
     dev::griddep_wait();
+    if (epi_loader) {
+      const int r = threadIdx.x;
+#pragma unroll
+      for (int jj = 0; jj < kHc; ++jj) epi.xs[jj * kCols + r] = eo[jj];
+      epi.cb[r] = eo[kHc];
+      if (r < kHc) epi.pp[r] = eo[kHc + 1];
+    }
     j.x = a.h + static_cast<long long>(warp) * a.I;
     XRegs xr;
     load_x(j, a.I / 128, lane, xr);
@@ -644,10 +694,10 @@ __global__ void __launch_bounds__(kThreads, 3) moe_down_kernel(const MoeArgs a) 
   __syncthreads();
   if constexpr (PRE) {
     __shared__ float vals[kHc * kCols];
-    down_epilogue(a, s, row0, vals);
+    down_epilogue(a, s, epi, row0, vals);
     next_pre(a, smem, vals, pfn, pbs, warp, lane);
   } else {
-    down_epilogue(a, s, row0, nullptr);
+    down_epilogue(a, s, epi, row0, nullptr);
   }
 }
 
