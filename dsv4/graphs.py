@@ -7,6 +7,14 @@ tensors, and every position-dependent decision is made on the device, so one cap
 every position. Residual streams hop devices between graphs without host syncs (stream waits only); on one
 device a graph reads the previous graph's output where it lies (no copy between them). With `use_graphs=False` the
 same step runs eagerly (the reference for the graphs).
+
+A layer with compressors has two step schedules (Attention.begin's `defer`): at a position that closes one of its
+compressor windows the compressors run ahead of the attention, which reads the entry they emit; at every other
+position (CSA: 3 in 4, HCA: 127 in 128) they run beside the attention and the rest of the layer. Such a layer gets two
+graphs, the deferring one (`graphs[i]`) and the emitting one (`graphs[(i, "emit")]`, which ends by copying its output
+streams into the deferring graph's, so that the next graph reads one tensor either way); each step replays the one its
+position calls for (`layer_graph`). The two give the same bits. (The first layer on a device builds the step plan in
+its graph, and two graphs would build two plans: it keeps one schedule, the emitting one.)
 """
 
 from __future__ import annotations
@@ -28,10 +36,29 @@ def hop(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src, non_blocking=True)
 
 
+def defer_ratios(model: Transformer) -> list[int]:
+    """Per layer: the compressor ratio of a layer whose compressors a decode step that closes none of their windows
+    defers (two schedules), else 0 (one schedule: no compressor, or the first layer on its device, which builds the
+    step plan). See the module's docstring."""
+    devs = [layer.attn_norm.weight.device for layer in model.layers]
+    return [layer.spec.ratio if layer.attn.compressor is not None and i > 0 and devs[i - 1] == d else 0
+            for i, (layer, d) in enumerate(zip(model.layers, devs))]
+
+
+def _copy_into(dst, src) -> None:
+    """dst.copy_(src) over tensors and (nested) tuples of them."""
+    if isinstance(dst, torch.Tensor):
+        dst.copy_(src)
+    else:
+        for d, t in zip(dst, src, strict=True):
+            _copy_into(d, t)
+
+
 class DecodeRunner:
     """Decode one token at a time for batch 1 through per-layer CUDA graphs (or eagerly)."""
 
-    def __init__(self, model: Transformer, state: ModelState, use_graphs: bool = True, warmup: int = 2):
+    def __init__(self, model: Transformer, state: ModelState, use_graphs: bool = True, warmup: int = 2,
+                 defer: bool = True):
         if state.batch != 1:
             raise ValueError(f"the decode runner supports batch 1, state has batch {state.batch}")
         if use_graphs and model.embed.weight.device.type != "cuda":
@@ -41,6 +68,7 @@ class DecodeRunner:
         self.devices = [layer.attn_norm.weight.device for layer in model.layers]
         self.embed_dev = model.embed.weight.device
         self.head_dev = model.head.weight.device
+        self.defer_ratio = defer_ratios(model) if defer else [0] * len(model.layers)
         uniq = list(dict.fromkeys([self.embed_dev, *self.devices, self.head_dev]))
         pin = self.embed_dev.type == "cuda"
         # a small ring of pinned [token id, position] buffers: a slot is rewritten only after the
@@ -76,10 +104,35 @@ class DecodeRunner:
     def _run_embed(self) -> torch.Tensor:
         return self.model.embed_step(self._ids(self.embed_dev))
 
-    def _run_layer(self, i: int):
+    def _run_layer(self, i: int, defer: bool = False):
         dev = self.devices[i]
         pre = self.pre_out[i - 1] if i > 0 else None
-        return self.model.layer_step(i, self.x_in[i], self._ids(dev), self._pos(dev), self.state.blocks[i], pre)
+        return self.model.layer_step(i, self.x_in[i], self._ids(dev), self._pos(dev), self.state.blocks[i], pre,
+                                     defer)
+
+    def _run_emit(self, i: int):
+        """Layer i's emitting schedule, its outputs copied into the deferring schedule's (bound by then)."""
+        out = self._run_layer(i)
+        x, pre = out if isinstance(out, tuple) else (out, None)
+        _copy_into(self.x_out[i], x)
+        if pre is not None:
+            _copy_into(self.pre_out[i], pre)
+        return out
+
+    def defers(self, i: int, pos: int) -> bool:
+        """Whether a step at pos runs layer i's deferring schedule (its compressors close no window there)."""
+        r = self.defer_ratio[i]
+        return r > 0 and (pos + 1) % r != 0
+
+    def layer_graph(self, i: int, pos: int) -> torch.cuda.CUDAGraph:
+        """The graph a step at pos replays for layer i."""
+        return self.graphs[i] if self.defers(i, pos) or not self.defer_ratio[i] else self.graphs[(i, "emit")]
+
+    def layer_fn(self, i: int, pos: int):
+        """Layer i's step at pos as a callable (its graph's replay, or the eager step): for the benchmarks."""
+        if self.use_graphs:
+            return self.layer_graph(i, pos).replay
+        return lambda: self._run_layer(i, self.defers(i, pos))
 
     def _run_head(self) -> torch.Tensor:
         return self.model.head_step(self.x_head)
@@ -92,7 +145,10 @@ class DecodeRunner:
         # at first use: every device needs its own capture stream
         streams = {d: torch.cuda.Stream(d) for d in dict.fromkeys([self.embed_dev, *self.devices, self.head_dev])}
         pieces = [("embed", self.embed_dev, self._run_embed)]
-        pieces += [(i, d, (lambda i=i: self._run_layer(i))) for i, d in enumerate(self.devices)]
+        for i, d in enumerate(self.devices):
+            pieces.append((i, d, (lambda i=i: self._run_layer(i, self.defer_ratio[i] > 0))))
+            if self.defer_ratio[i]:  # its second schedule, after the first's outputs are bound
+                pieces.append(((i, "emit"), d, (lambda i=i: self._run_emit(i))))
         pieces += [("head", self.head_dev, self._run_head)]
         for key, dev, fn in pieces:
             # on the previous piece's device, read its output in place: it lives in the graph's memory pool as long as
@@ -125,6 +181,8 @@ class DecodeRunner:
         self.state.reset()
 
     def _bind(self, key, out) -> None:
+        if isinstance(key, tuple):  # a second schedule: its outputs were copied into the first's
+            return
         if key == "embed":
             self.embed_out = out
         elif key == "head":
@@ -165,9 +223,9 @@ class DecodeRunner:
         for i in range(len(self.devices)):
             hop(self.x_in[i], x)  # nothing where the graph reads x in place (see _capture)
             if self.use_graphs:
-                self.graphs[i].replay()
+                self.layer_graph(i, pos).replay()
             else:
-                self._bind(i, self._run_layer(i))
+                self._bind(i, self._run_layer(i, self.defers(i, pos)))
             x = self.x_out[i]
         hop(self.x_head, x)
         if self.use_graphs:

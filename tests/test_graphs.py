@@ -43,6 +43,60 @@ def test_static_decode_step_equals_chunked_path():
     assert_close_rel(out, ref, "logits_incremental_fp32")
 
 
+def _compressor_positions(runner, ids):
+    """Eager steps of `runner` over ids -> (logits, per step: for each `compressor` op call, how many qkv_norm_rope
+    calls (one a layer, the last op of its query path) came before it in the step, sorted)."""
+    from dsv4 import ops
+
+    seen: list[str] = []
+
+    def hook(op, args, kwargs):
+        seen.append(op.name)
+        return op.impl(*args, **kwargs)
+
+    out, where = [], []
+    ops.set_hook(hook)
+    try:
+        for t in ids:
+            seen.clear()
+            out.append(runner.step(t).clone())
+            n_attn, w = 0, []
+            for name in seen:
+                n_attn += name == "qkv_norm_rope"
+                if name == "compressor":
+                    w.append(n_attn)
+            where.append(sorted(w))
+    finally:
+        ops.set_hook(None)
+    return torch.stack(out), where
+
+
+def test_deferred_compressors_same_bits_and_schedule():
+    # a decode step that closes none of a layer's compressor windows queues its compressors after that layer's query
+    # path and index lists (on the GPU they run beside the attention and the rest of the layer), every other step ahead
+    # of them (the token that closes a window attends to its entry): the logits are the one-schedule runner's bit for
+    # bit across emission boundaries. Layer 0 (SWA here)
+    # builds the step plan and keeps one schedule; a compressor layer first on its device would too.
+    raw, model = _model([0, 4, 8, 16], seed=4)
+    ids = _ids(raw, 37, seed=2)
+    one = DecodeRunner(model, model.new_state(len(ids)), use_graphs=False, defer=False)
+    two = DecodeRunner(model, model.new_state(len(ids)), use_graphs=False)
+    assert one.defer_ratio == [0, 0, 0, 0] and two.defer_ratio == [0, 4, 8, 16]
+    ref, ref_where = _compressor_positions(one, ids)
+    out, where = _compressor_positions(two, ids)
+    assert torch.equal(out, ref)
+    for p, (w, rw) in enumerate(zip(where, ref_where)):
+        # layer k's compressor calls (CSA: two, HCA: one) follow k qkv_norm_rope calls ahead of its query path, k + 1
+        # deferred
+        after = [(p + 1) % r != 0 for r in (4, 8, 16)]
+        assert rw == [1, 1, 2, 3], (p, rw)
+        assert w == sorted([1 + after[0]] * 2 + [2 + after[1], 3 + after[2]]), (p, w)
+    assert any(w != [1, 1, 2, 3] for w in where) and any(w == [1, 1, 2, 3] for w in where[15:16])
+    # a compressor layer first on its device (it builds the plan) keeps one schedule
+    _, first = _model([4, 8, 0], seed=4)
+    assert DecodeRunner(first, first.new_state(8), use_graphs=False).defer_ratio == [0, 8, 0]
+
+
 def test_next_layers_pre_made_by_the_ffn_op_same_bits():
     # Transformer.fuse_pre: each layer's attention input (mhc_pre_norm) made by the FFN op of the layer before
     # (ops.moe_post_pre) in the decode step and in prefill chunks; on the reference backend the op is the composition
@@ -181,6 +235,29 @@ def kernels(request):
 def test_graph_decode_equals_eager_decode(ratios, kernels):
     raw, model = _model(ratios, seed=3)
     _graph_vs_eager(model, raw, 2 * 128 + 5, ["cuda:0"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kernels", ["ref", "fast"], indirect=True)
+def test_graph_decode_defers_compressors_with_the_same_bits(kernels):
+    # two schedules per compressor layer (deferred and emitting graphs) against one (always ahead of the attention):
+    # the same bits at every position, each step replaying the graph its position calls for
+    raw, model = _model([0, 4, 8, 16], seed=4)
+    model.place(["cuda:0"])
+    T = 2 * 16 + 5
+    ids = _ids(raw, T, seed=9)
+    one = DecodeRunner(model, model.new_state(T), use_graphs=True, defer=False)
+    ref = torch.stack([one.step(t).clone() for t in ids])
+    assert set(one.graphs) == {"embed", "head", 0, 1, 2, 3}
+    one = None
+    two = DecodeRunner(model, model.new_state(T), use_graphs=True)
+    assert set(two.graphs) == {"embed", "head", 0, 1, 2, 3, (1, "emit"), (2, "emit"), (3, "emit")}
+    for i in range(1, 4):  # the next graph reads one tensor whichever schedule ran
+        assert two.x_in[i] is two.x_out[i - 1]
+    assert [two.layer_graph(1, p) is two.graphs[(1, "emit")] for p in range(8)] == [False, False, False, True] * 2
+    out = torch.stack([two.step(t).clone() for t in ids])
+    assert torch.equal(out, ref), f"deferred schedules differ at {(out != ref).any(-1).nonzero()[:5].tolist()}"
 
 
 @pytest.mark.gpu

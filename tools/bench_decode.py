@@ -9,9 +9,9 @@ the step reads a full context. Prints a table and writes JSON (--json). A benchm
 Needs a CUDA GPU.
 
 With a context that is a multiple of 128, the step at ctx-1 closes every compressor's window (each emits an
-entry: its costliest step). The graph rows therefore also time each layer at ctx-2 ("open": every window stays
-open) and project 43 layers over a 128-token cycle, "(cycle)": a layer of compression ratio r emits at one step
-in r.
+entry: its costliest step, run in the emitting schedule). The graph rows therefore also time each layer at ctx-2
+("open": every window stays open, the compressors deferred beside the attention unless --no-defer) and project 43
+layers over a 128-token cycle, "(cycle)": a layer of compression ratio r emits at one step in r.
 
 --prefill N also times the chunked prefill of an N-token prompt that ends at each context (chunks of up to
 128 tokens; the state filled at random before the prompt), eager and (fast MoE) as the engine runs it, the full
@@ -423,6 +423,9 @@ def main(argv=None) -> int:
     p.add_argument("--timeline", action="store_true",
                    help="also print the kernels of one layer's decode graph per layer kind as its replays run them "
                         "(start and end of each, median of 5 replays: what overlaps what)")
+    p.add_argument("--no-defer", action="store_true",
+                   help="one decode schedule per layer: the compressors always run ahead of the attention (by default "
+                        "a step that closes none of a layer's compressor windows runs them beside it: dsv4/graphs.py)")
     p.add_argument("--json", metavar="F", help="write the results as JSON to F (default: none)")
     args = p.parse_args(argv)
 
@@ -495,7 +498,7 @@ def main(argv=None) -> int:
         state = model.new_state(ctx, kv_fp8=args.kv_fp8, keys_fp4=args.keys_fp4)
         row = {"context": ctx}
         for mode in (["eager"] if not args.no_eager else []) + ["graph"]:
-            runner = DecodeRunner(model, state, use_graphs=(mode == "graph"))
+            runner = DecodeRunner(model, state, use_graphs=(mode == "graph"), defer=not args.no_defer)
             fill_state(state, ctx - 1, seed=ctx)
             n = args.steps if mode == "graph" else max(2, args.steps // 5)
             for _ in range(2):
@@ -506,38 +509,39 @@ def main(argv=None) -> int:
                 lambda r=runner, c=ctx: torch.cuda.synchronize(r.step(1, c - 1).device), n, devices)
             layer_ms = []
             for i in range(len(model.layers)):  # x_in[i] still holds the last step's input of layer i
-                fn = runner.graphs[i].replay if mode == "graph" else (lambda i=i, r=runner: r._run_layer(i))
-                layer_ms.append(timed(fn, n, runner.devices[i]))
+                layer_ms.append(timed(runner.layer_fn(i, ctx - 1), n, runner.devices[i]))
             row[f"{mode}_layer_ms"] = layer_ms
             if mode == "graph":
                 row["graph_head_ms"] = timed(runner.graphs["head"].replay, n, runner.head_dev)
                 if args.layer_us:
-                    row["graph_layer_us"] = [median_us(runner.graphs[i].replay, args.layer_us, runner.devices[i])
+                    row["graph_layer_us"] = [median_us(runner.layer_fn(i, ctx - 1), args.layer_us, runner.devices[i])
                                              for i in range(len(model.layers))]
             if mode == "graph" and args.timeline:
                 seen, tl = set(), {}
                 for i, spec_i in enumerate(cfg.layers):
                     if spec_i.attn not in seen:
                         seen.add(spec_i.attn)
-                        tl[spec_i.attn] = {"layer": i, "kernels": graph_timeline(runner.graphs[i], runner.devices[i])}
+                        tl[spec_i.attn] = {"layer": i, "kernels": graph_timeline(runner.layer_graph(i, ctx - 1),
+                                                                                 runner.devices[i])}
                 row["timeline"] = tl
             if mode == "graph" and args.profile:
                 seen, prof = set(), {}
                 for i, spec_i in enumerate(cfg.layers):
                     if spec_i.attn not in seen:
                         seen.add(spec_i.attn)
-                        prof[spec_i.attn] = profile_layer(lambda i=i, r=runner: r._run_layer(i), runner.devices[i])
+                        prof[spec_i.attn] = profile_layer(lambda i=i, r=runner, c=ctx: r._run_layer(i, r.defers(i, c - 1)),
+                                                          runner.devices[i])
                 row["profile"] = prof
             if mode == "graph" and ctx >= 2:
                 # a step at ctx - 2, where every compressor's window stays open (with ctx a multiple of 128 the
                 # step at ctx - 1 closes them all and each emits an entry: a compressor's costliest step)
                 for _ in range(2):
                     runner.step(1, ctx - 2)
-                row["graph_layer_ms_open"] = [timed(runner.graphs[i].replay, n, runner.devices[i])
+                row["graph_layer_ms_open"] = [timed(runner.layer_fn(i, ctx - 2), n, runner.devices[i])
                                               for i in range(len(model.layers))]
                 if args.layer_us:
-                    row["graph_layer_us_open"] = [median_us(runner.graphs[i].replay, args.layer_us, runner.devices[i])
-                                                  for i in range(len(model.layers))]
+                    row["graph_layer_us_open"] = [median_us(runner.layer_fn(i, ctx - 2), args.layer_us,
+                                                            runner.devices[i]) for i in range(len(model.layers))]
             runner = None  # free this mode's graphs and their memory pools before the next
         if args.prefill:
             pf = time_prefill(model, state, ctx, args.prefill, devices)
@@ -668,7 +672,7 @@ def main(argv=None) -> int:
            "layers": args.layers, "layer_kinds": [s.attn for s in cfg.layers], "numerics": args.numerics,
            "copy_GBps": bw, "floor_GB_per_token": FLOOR_GB_PER_TOKEN, "floor_ms_at_copy_bw": floor_ms,
            "build_s": build_s, "results": results, "command": " ".join(sys.argv), "kernels": kernel_report,
-           "overlap": not args.no_overlap, "fuse_pre": args.fuse_pre, "kv_fp8": args.kv_fp8,
+           "overlap": not args.no_overlap, "defer": not args.no_defer, "fuse_pre": args.fuse_pre, "kv_fp8": args.kv_fp8,
            "keys_fp4": args.keys_fp4}
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))

@@ -110,6 +110,9 @@ def check(model, max_len: int, steps: int = 8) -> list[Violation]:
     for i, (layer, dev) in enumerate(zip(model.layers, eager.devices)):
         names[i] = f"layers.{i} ({layer.spec.attn}, ratio {layer.spec.ratio})"
         pieces.append((i, dev, lambda i=i: eager._run_layer(i)))
+        if eager.defer_ratio[i]:  # its second schedule: the compressors deferred (dsv4/graphs.py)
+            names[(i, "defer")] = f"layers.{i} ({layer.spec.attn}, ratio {layer.spec.ratio}, compressors deferred)"
+            pieces.append(((i, "defer"), dev, lambda i=i: eager._run_layer(i, True)))
     pieces.append(("head", eager.head_dev, eager._run_head))
     out: list[Violation] = []
     for key, dev, fn in pieces:
@@ -232,7 +235,10 @@ def main(argv=None) -> int:
     found = check(model, args.max_len)
     for v in found:
         print(f"VIOLATION [{v.kind}] {v.piece}: {v.where} -- {v.detail}")
-    n_pieces = len(model.layers) + 2
+    from dsv4.graphs import defer_ratios
+
+    n_defer = sum(1 for r in defer_ratios(model) if r)
+    n_pieces = len(model.layers) + n_defer + 2
     from dsv4.engine import PREFILL_CHUNK
     from dsv4.graphs import prefill_graphs_apply
 
@@ -240,7 +246,8 @@ def main(argv=None) -> int:
     extra = f"; prefill: {len(model.layers)} x (2 captured pieces + the eager middle)" if prefill else \
         "; prefill graphs not checked (the engine prefills eagerly with the reference MoE or a state under 2 chunks)"
     print(f"detect_sync: {len(found)} violations in {n_pieces} captured pieces "
-          f"({len(model.layers)} layers + embed + head){extra} on {','.join(devices)}")
+          f"({len(model.layers)} layers{f' ({n_defer} in two schedules)' if n_defer else ''} + embed + head){extra} "
+          f"on {','.join(devices)}")
     return 1 if found else 0
 
 

@@ -6,7 +6,12 @@ to `ops.sparse_attn` as index lists in DeepSeek's order (StepPlan). K = V, so th
 are rotated back by -t (inside ops.sparse_attn) before the grouped low-rank projection (wo_a in the activation dtype without
 activation quantization, then wo_b). One forward serves prefill chunks and the captured decode step.
 The compressors (and their fused projection of x) run in a `SideBranch` beside the query / kv path, and
-in CSA layers the indexer after them (once its queries exist); both join before the attention.
+in CSA layers the indexer after them (once its queries exist); both join before the attention. A decode step that
+closes no compressor window (CSA: 3 steps in 4, HCA: 127 in 128) may defer its compressors (`defer`): the attention
+reads none of what they write then (SPEC §2.4: only the token that closes a window attends to its entry), so they run
+beside the attention and the output projections instead of ahead of them, and join at the end of the layer
+(`AttnStart.join_deferred`). The graph runner captures both schedules for such layers and replays the one the
+position calls for (dsv4/graphs.py); the results are the same bits either way.
 """
 
 from __future__ import annotations
@@ -65,6 +70,8 @@ class Attention(nn.Module):
         if self.q_b is not None:  # a decode step runs them one by one (begin): views of the fused bytes, own scales
             for m in self.q_b.members:
                 m.prepared()
+        if self.indexer is not None:  # and the indexer's head weights in a GEMV of their own (a view, too)
+            self.indexer.weights_proj.prepared()
 
     def wo_a_grouped(self) -> tuple[torch.Tensor, PreparedLinear | None]:
         """wo_a dequantized once to the activation dtype as [G, o_lora, group_in] (what DeepSeek's convert.py does),
@@ -80,31 +87,45 @@ class Attention(nn.Module):
             self._wo_a = (key, (g, w8 if exact else None))
         return self._wo_a[1]
 
-    def forward(self, x: torch.Tensor, plan: StepPlan, st: BlockState, rope: Rope) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, plan: StepPlan, st: BlockState, rope: Rope, defer: bool = False) -> torch.Tensor:
         # x: [B,S,D] (attn_norm output) at positions plan.pos -> [B,S,D]
-        return self.finish(self.attend(self.begin(x, plan, st, rope), plan, st))
+        a = self.begin(x, plan, st, rope, defer=defer)
+        out = self.finish(self.attend(a, plan, st))
+        a.join_deferred()
+        return out
+
+    def defers(self, x: torch.Tensor, join: bool = False) -> bool:
+        """Whether `defer` applies to this call: a layer with compressors, one token (a decode step), no join."""
+        return self.compressor is not None and x.shape[0] * x.shape[1] == 1 and not join
 
     # The forward in three phases, for the prefill graph runner (dsv4/graphs.py): `begin` and `finish` have the same
     # shapes at every full prefill chunk and are captured; `attend` reads index lists whose width follows the chunk's
     # end and runs eagerly between them. forward() runs the three in a row: the same kernels in the same order.
-    def begin(self, x: torch.Tensor, plan: StepPlan, st: BlockState, rope: Rope, join: bool = False) -> "AttnStart":
+    def begin(self, x: torch.Tensor, plan: StepPlan, st: BlockState, rope: Rope, join: bool = False,
+              defer: bool = False) -> "AttnStart":
         """The projections: the compressors (and their fused projection of x) on a side branch, wq_a || wkv, the
         query's norm + wq_b (|| the indexer's wq_b). join: the side branch is joined here (a captured piece must end
-        with it), not before the attention."""
+        with it), not before the attention. defer: a decode step that closes no compressor window leaves the
+        compressors to attend() (see the module's docstring; ignored where `defers` does not hold)."""
         cos, sin = plan.rope(rope)
-        comp_branch = proj = None
-        if self.compressor is not None:  # (on the side stream, its work follows a plan still being built)
+        one = x.shape[0] * x.shape[1] == 1 and not join  # a decode step
+        defer = defer and self.defers(x, join)
+        comp_branch = proj = wts = None
+        if self.compressor is not None and not (defer and self.indexer is None):
+            # (on the side stream, its work follows a plan still being built)
             # the compressors read x and their own state only: a side branch beside the query / kv path, joined
             # before the indexer's scores and the attention read its entries
             comp_branch = SideBranch(x.device)
             with comp_branch:
-                # fp32 projections of the input (SPEC §5.16: fp32 weights and input), all of the layer's in one
-                # GEMM on x as it is: its values are exact in its dtype (bf16 activations: bf16 products, exact in
-                # the fp32 accumulation), so no fp32 copy is made
-                proj = self.compress_proj(x, torch.float32)
-                self.compressor(proj[0], proj[1], plan, st.compressor, rope)
-                if self.indexer is not None:
-                    self.indexer.compressor(proj[2], proj[3], plan, st.indexer, rope)
+                if self.indexer is not None and one:
+                    # a decode step's indexer head weights in a GEMV of their own, ahead of the compressors (with
+                    # them deferred, alone): the same bits whether or not they are (the fused GEMV still carries the
+                    # 64 rows, unused here, so that its configuration and bits are those of every other step)
+                    wts = self.indexer.weights_proj(x, torch.float32)
+                if not defer:
+                    proj = self._compress(x, plan, st, rope)
+        if proj is not None and wts is None and self.indexer is not None:
+            wts = proj[4]
         q_a, kv = self.qkv_a(x)
         # the query's low-rank norm and wq_b (|| the indexer's wq_b) as one op: a decode step norms inside the GEMV;
         # a prefill chunk's norm hands the GEMM its FP8 codes
@@ -126,7 +147,20 @@ class Attention(nn.Module):
             if join:
                 comp_branch.join()
                 comp_branch = None
-        return AttnStart(x.shape[0], x.shape[1], rope, cos, sin, q, q_idx, kv, proj, comp_branch, x, idx_fork)
+        return AttnStart(x.shape[0], x.shape[1], rope, cos, sin, q, q_idx, kv, proj, comp_branch, x, idx_fork, wts,
+                         defer)
+
+    def _compress(self, x: torch.Tensor, plan: StepPlan, st: BlockState, rope: Rope) -> tuple:
+        """The compressors on x (on the caller's stream) -> the fused projections (kept referenced by the caller until
+        its branch is joined)."""
+        # fp32 projections of the input (SPEC §5.16: fp32 weights and input), all of the layer's in one GEMM on x
+        # as it is: its values are exact in its dtype (bf16 activations: bf16 products, exact in the fp32
+        # accumulation), so no fp32 copy is made
+        proj = self.compress_proj(x, torch.float32)
+        self.compressor(proj[0], proj[1], plan, st.compressor, rope)
+        if self.indexer is not None:
+            self.indexer.compressor(proj[2], proj[3], plan, st.indexer, rope)
+        return proj
 
     def attend(self, a: "AttnStart", plan: StepPlan, st: BlockState) -> torch.Tensor:
         """The index lists, the indexer (CSA), the queries' and kv's norm + RoPE, the sparse attention and (prefill)
@@ -144,7 +178,7 @@ class Attention(nn.Module):
                 n_vis = plan.n_visible(self.spec.ratio)
                 idx_branch = a.idx_fork if a.idx_fork is not None else SideBranch(a.q.device)
                 with idx_branch:
-                    idx_comp = self.indexer(a.q_idx, a.proj[4], plan, st.indexer, a.rope, n, n_vis)
+                    idx_comp = self.indexer(a.q_idx, a.wts, plan, st.indexer, a.rope, n, n_vis)
             else:  # HCA: every visible entry, ascending
                 idx_comp = plan.prefix_idx(self.spec.ratio, n).expand(B, -1, -1)
         q = a.q.unflatten(-1, (self.n_heads, self.head_dim))
@@ -165,6 +199,12 @@ class Attention(nn.Module):
         last = idx_branch if idx_branch is not None else a.comp_branch
         if last is not None:
             last.join()
+        if a.defer:
+            # the deferred compressors: forked here (after the lists and the query path are queued), beside the
+            # attention and the output projections; joined at the end of the layer (join_deferred)
+            a.deferred = SideBranch(a.x.device)
+            with a.deferred:
+                a.proj = self._compress(a.x, plan, st, a.rope)
         # the output's RoPE dims rotated back to the query's position (V = K carries RoPE) in the same op
         o = ops.sparse_attn(q, kv_win, idx_win, kv_comp, idx_comp, self.attn_sink, self.head_dim ** -0.5, cos, sin)
         if not plan.ring_first:
@@ -197,3 +237,13 @@ class AttnStart:
     # a decode step of a CSA layer: the indexer chain's branch, forked after the indexer's queries (its work is queued
     # by attend(); between the fork and that work the main stream reads no side-stream tensor)
     idx_fork: SideBranch | None = None
+    wts: torch.Tensor | None = None  # the indexer's head weights (weights_proj of the input: CSA)
+    defer: bool = False  # the compressors deferred to attend() (Attention.begin)
+    deferred: SideBranch | None = None  # their branch, forked by attend(), joined by join_deferred()
+
+    def join_deferred(self) -> None:
+        """Join the deferred compressors' branch (the end of the layer's step); x and their projections stay
+        referenced until then (see SideBranch)."""
+        if self.deferred is not None:
+            self.deferred.join()
+            self.deferred = None
