@@ -285,8 +285,8 @@ class Engine:
             raise EngineError(str(e)) from None
         self.state_ids: list[int] | None = []  # tokens whose KV the state holds; None: unknown (reset)
         self.input_device = model.embed.weight.device  # ids enter at the embedding's device
-        # On CUDA, decode replays one captured graph per layer over the same state the chunked prefill
-        # fills; on CPU (or with graphs=False) the model's forward runs the same one-token step eagerly.
+        # On CUDA, decode replays one captured graph per layer (two for a layer with compressors: dsv4/graphs.py)
+        # over the same state the chunked prefill fills; on CPU (or with graphs=False) the model's forward runs the same one-token step eagerly.
         from dsv4 import ops
 
         self.kernels = ops.active()  # op -> backend bound now (from_pretrained binds them first)

@@ -55,7 +55,9 @@ def _copy_into(dst, src) -> None:
 
 
 class DecodeRunner:
-    """Decode one token at a time for batch 1 through per-layer CUDA graphs (or eagerly)."""
+    """Decode one token at a time for batch 1 through per-layer CUDA graphs (or eagerly). defer: a layer with
+    compressors has two decode schedules (see the module's docstring); False: one, the compressors always ahead of the
+    attention."""
 
     def __init__(self, model: Transformer, state: ModelState, use_graphs: bool = True, warmup: int = 2,
                  defer: bool = True):

@@ -201,10 +201,15 @@ class Attention(nn.Module):
             last.join()
         if a.defer:
             # the deferred compressors: forked here (after the lists and the query path are queued), beside the
-            # attention and the output projections; joined at the end of the layer (join_deferred)
+            # attention and the output projections; joined at the end of the layer (join_deferred). In line (CPU,
+            # set_overlap(False)) they run at that join, after all they run beside on a GPU: a step that needed them
+            # first (an emitting one, wrongly deferred) then shows in its bits
             a.deferred = SideBranch(a.x.device)
-            with a.deferred:
-                a.proj = self._compress(a.x, plan, st, a.rope)
+            if a.deferred.side is not None:
+                with a.deferred:
+                    a.proj = self._compress(a.x, plan, st, a.rope)
+            else:
+                a.run_deferred = lambda: self._compress(a.x, plan, st, a.rope)
         # the output's RoPE dims rotated back to the query's position (V = K carries RoPE) in the same op
         o = ops.sparse_attn(q, kv_win, idx_win, kv_comp, idx_comp, self.attn_sink, self.head_dim ** -0.5, cos, sin)
         if not plan.ring_first:
@@ -231,8 +236,9 @@ class AttnStart:
     kv: torch.Tensor  # [B,S,hd] before its norm
     proj: tuple | None  # the compressors' projections (|| the indexer's head weights)
     comp_branch: SideBranch | None  # the compressors' side branch, not joined yet
-    # the input, referenced until attend() returns: while the side branch is not joined, its GEMM still reads x on the
-    # side stream, and a freed x could be handed to the main stream's next allocation
+    # the input, referenced until attend() returns (deferred compressors: until join_deferred): while a side branch is
+    # not joined, its GEMM still reads x on the side stream, and a freed x could be handed to the main stream's next
+    # allocation
     x: torch.Tensor
     # a decode step of a CSA layer: the indexer chain's branch, forked after the indexer's queries (its work is queued
     # by attend(); between the fork and that work the main stream reads no side-stream tensor)
@@ -240,10 +246,14 @@ class AttnStart:
     wts: torch.Tensor | None = None  # the indexer's head weights (weights_proj of the input: CSA)
     defer: bool = False  # the compressors deferred to attend() (Attention.begin)
     deferred: SideBranch | None = None  # their branch, forked by attend(), joined by join_deferred()
+    run_deferred: object = None  # in line: the deferred compressors, run by join_deferred()
 
     def join_deferred(self) -> None:
-        """Join the deferred compressors' branch (the end of the layer's step); x and their projections stay
-        referenced until then (see SideBranch)."""
+        """Join the deferred compressors' branch (the end of the layer's step; in line, run them now); x and their
+        projections stay referenced until then (see SideBranch)."""
+        if self.run_deferred is not None:
+            self.proj = self.run_deferred()
+            self.run_deferred = None
         if self.deferred is not None:
             self.deferred.join()
             self.deferred = None
