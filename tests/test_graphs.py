@@ -92,9 +92,14 @@ def test_deferred_compressors_same_bits_and_schedule():
         assert rw == [1, 1, 2, 3], (p, rw)
         assert w == sorted([1 + after[0]] * 2 + [2 + after[1], 3 + after[2]]), (p, w)
     assert where[15] == [1, 1, 2, 3] and where[14] == [2, 2, 3, 4]  # every window closes / none does
-    # a compressor layer first on its device (it builds the plan) keeps one schedule
+    # a compressor layer first on its device (it builds the plan) keeps one schedule: on one device, and across two
+    # (the device rule only: layers placed on "meta" stand for a second GPU)
+    from dsv4.graphs import defer_ratios
+
     _, first = _model([4, 8, 0], seed=4)
     assert DecodeRunner(first, first.new_state(8), use_graphs=False).defer_ratio == [0, 8, 0]
+    _, split = _model([0, 4, 8, 16], seed=4)
+    assert defer_ratios(split.place(["cpu", "meta"])) == [0, 4, 0, 16]
 
 
 def test_next_layers_pre_made_by_the_ffn_op_same_bits():

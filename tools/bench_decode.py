@@ -26,7 +26,8 @@ computes that input and nothing reads it).
 
 --layer-us N times each layer's decode graph to 0.1 us (the median of 7 runs of N back-to-back replays: the yardstick
 for one kernel change, where the 0.01 ms rows do not resolve it); --timeline prints, per layer kind, every kernel of
-the layer's graph as its replays run them (start and end), which shows what overlaps what.
+the layer's graph as its replays run them (start and end), which shows what overlaps what (at ctx-1, and at ctx-2
+for the layer kinds whose step there replays their other schedule, the compressors deferred).
 """
 
 from __future__ import annotations
@@ -422,7 +423,8 @@ def main(argv=None) -> int:
                         "default 0: off)")
     p.add_argument("--timeline", action="store_true",
                    help="also print the kernels of one layer's decode graph per layer kind as its replays run them "
-                        "(start and end of each, median of 5 replays: what overlaps what)")
+                        "(start and end of each, median of 5 replays: what overlaps what; at ctx-2 too where a layer "
+                        "defers its compressors there)")
     p.add_argument("--no-defer", action="store_true",
                    help="one decode schedule per layer: the compressors always run ahead of the attention (by default "
                         "a step that closes none of a layer's compressor windows runs them beside it: dsv4/graphs.py)")
@@ -542,6 +544,14 @@ def main(argv=None) -> int:
                 if args.layer_us:
                     row["graph_layer_us_open"] = [median_us(runner.layer_fn(i, ctx - 2), args.layer_us,
                                                             runner.devices[i]) for i in range(len(model.layers))]
+                if args.timeline:  # the layers whose step there runs its other schedule (compressors deferred)
+                    seen, tl = set(), {}
+                    for i, spec_i in enumerate(cfg.layers):
+                        if spec_i.attn not in seen and runner.layer_graph(i, ctx - 2) is not runner.layer_graph(i, ctx - 1):
+                            seen.add(spec_i.attn)
+                            tl[spec_i.attn] = {"layer": i, "kernels": graph_timeline(runner.layer_graph(i, ctx - 2),
+                                                                                     runner.devices[i])}
+                    row["timeline_open"] = tl
             runner = None  # free this mode's graphs and their memory pools before the next
         if args.prefill:
             pf = time_prefill(model, state, ctx, args.prefill, devices)
@@ -623,13 +633,13 @@ def main(argv=None) -> int:
                 if key in r:
                     us = " / ".join(f"{x:.1f}" for x in r[key])
                     print(f"{r['context']:>8} | {step:>5} | {' / '.join(s.attn for s in cfg.layers)}: {us}")
-    for r in results:
-        for kind, tl in r.get("timeline", {}).items():
+    for r, (key, step) in ((r, k) for r in results for k in (("timeline", "ctx-1"), ("timeline_open", "ctx-2"))):
+        for kind, tl in r.get(key, {}).items():
             ks = tl["kernels"]
             if not ks:
                 print(f"\ntimeline ctx {r['context']} {kind}: the profiler did not record every replay's kernels")
                 continue
-            print(f"\ntimeline ctx {r['context']} {kind} (layer {tl['layer']}): {len(ks)} kernels, "
+            print(f"\ntimeline ctx {r['context']} ({step}) {kind} (layer {tl['layer']}): {len(ks)} kernels, "
                   f"{max(k['end_us'] for k in ks):.1f} us from the first start to the last end (us from the "
                   f"replay's first kernel start, median of 5 replays)")
             for k in ks:

@@ -123,6 +123,10 @@ def check(model, max_len: int, steps: int = 8) -> list[Violation]:
     state.reset()
     runner = DecodeRunner(model, state, use_graphs=True)
     out += find_syncs("step (graph replay loop)", lambda: [runner.step(5) for _ in range(2)])
+    # every layer's other schedule too: a step at a position that closes each ratio's windows (dsv4/graphs.py)
+    ends = sorted({r - 1 for r in runner.defer_ratio if r and r <= max_len})
+    out += find_syncs("step (graph replay loop)", lambda: [runner.step(5, p) for p in ends])
+    state.reset()
     torch.cuda.synchronize()
     before = torch.cuda.memory_stats()["allocation.all.allocated"]
     for _ in range(steps):
