@@ -8,9 +8,10 @@ every position. Residual streams hop devices between graphs without host syncs (
 device a graph reads the previous graph's output where it lies (no copy between them). With `use_graphs=False` the
 same step runs eagerly (the reference for the graphs).
 
-A layer with compressors has two step schedules (Attention.begin's `defer`): at a position that closes one of its
-compressor windows the compressors run ahead of the attention, which reads the entry they emit; at every other
-position (CSA: 3 in 4, HCA: 127 in 128) they run beside the attention and the rest of the layer. Such a layer gets two
+An HCA layer has two step schedules (Attention.begin's `defer`): at a position that closes its compressor window the
+compressors run ahead of the attention, which reads the entry they emit; at every other position (127 in 128) they run
+beside the attention and the rest of the layer. (A CSA layer keeps one: its indexer reads the compressors' fused
+projection at every step.) Such a layer gets two
 graphs, the deferring one (`graphs[i]`) and the emitting one (`graphs[(i, "emit")]`, which ends by copying its output
 streams into the deferring graph's, so that the next graph reads one tensor either way); each step replays the one its
 position calls for (`layer_graph`). The two give the same bits. (The first layer on a device builds the step plan in
@@ -38,10 +39,12 @@ def hop(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 def defer_ratios(model: Transformer) -> list[int]:
     """Per layer: the compressor ratio of a layer whose compressors a decode step that closes none of their windows
-    defers (two schedules), else 0 (one schedule: no compressor, or the first layer on its device, which builds the
-    step plan). See the module's docstring."""
+    defers (two schedules: an HCA layer), else 0 (one schedule: no compressor, a CSA layer, whose indexer reads the
+    compressors' fused projection every step, or the first layer on its device, which builds the step plan). See the
+    module's docstring."""
     devs = [layer.attn_norm.weight.device for layer in model.layers]
-    return [layer.spec.ratio if layer.attn.compressor is not None and i > 0 and devs[i - 1] == d else 0
+    return [layer.spec.ratio if layer.attn.compressor is not None and layer.attn.indexer is None and i > 0
+            and devs[i - 1] == d else 0
             for i, (layer, d) in enumerate(zip(model.layers, devs))]
 
 

@@ -43,7 +43,7 @@ def test_decode_step_is_clean(kernels):
 
 def test_planted_violations_are_reported_with_module_and_line():
     model = _model()
-    attn = model.layers[1].attn
+    attn = model.layers[2].attn
     original = attn.attend
 
     def bad_step(a, plan, st):
@@ -55,8 +55,8 @@ def test_planted_violations_are_reported_with_module_and_line():
     found = detect_sync.check(model, 300)
     kinds = {(v.kind, v.piece) for v in found}
     # both of the layer's decode schedules (dsv4/graphs.py: its compressors ahead of the attention, or deferred)
-    for piece in ("layers.1 (csa, ratio 4)", "layers.1 (csa, ratio 4, compressors deferred)"):
+    for piece in ("layers.2 (hca, ratio 128)", "layers.2 (hca, ratio 128, compressors deferred)"):
         assert ("host sync", piece) in kinds
         assert ("capture failure", piece) in kinds
-    assert all(v.piece.startswith("layers.1 (csa, ratio 4") for v in found)
+    assert all(v.piece.startswith("layers.2 (hca, ratio 128") for v in found)
     assert any("test_detect_sync.py" in v.where and "plan.start.item()" in v.where for v in found)

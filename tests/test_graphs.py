@@ -72,34 +72,34 @@ def _compressor_positions(runner, ids):
 
 
 def test_deferred_compressors_same_bits_and_schedule():
-    # a decode step that closes none of a layer's compressor windows queues its compressors after that layer's query
+    # a decode step that closes no window of an HCA layer's compressor queues its compressors after that layer's query
     # path and index lists (on the GPU they run beside the attention and the rest of the layer), every other step ahead
     # of them (the token that closes a window attends to its entry): the logits are the one-schedule runner's bit for
-    # bit across emission boundaries. Layer 0 (SWA here)
-    # builds the step plan and keeps one schedule; a compressor layer first on its device would too.
+    # bit across emission boundaries. Layer 0 (SWA here) builds the step plan and keeps one schedule; a compressor
+    # layer first on its device would too, and so does a CSA layer (its indexer reads the fused projection every step).
     raw, model = _model([0, 4, 8, 16], seed=4)
     ids = _ids(raw, 37, seed=2)
     one = DecodeRunner(model, model.new_state(len(ids)), use_graphs=False, defer=False)
     two = DecodeRunner(model, model.new_state(len(ids)), use_graphs=False)
-    assert one.defer_ratio == [0, 0, 0, 0] and two.defer_ratio == [0, 4, 8, 16]
+    assert one.defer_ratio == [0, 0, 0, 0] and two.defer_ratio == [0, 0, 8, 16]
     ref, ref_where = _compressor_positions(one, ids)
     out, where = _compressor_positions(two, ids)
     assert torch.equal(out, ref)
     for p, (w, rw) in enumerate(zip(where, ref_where)):
         # layer k's compressor calls (CSA: two, HCA: one) follow k qkv_norm_rope calls ahead of its query path, k + 1
         # deferred
-        after = [(p + 1) % r != 0 for r in (4, 8, 16)]
+        after = [(p + 1) % r != 0 for r in (8, 16)]
         assert rw == [1, 1, 2, 3], (p, rw)
-        assert w == sorted([1 + after[0]] * 2 + [2 + after[1], 3 + after[2]]), (p, w)
-    assert where[15] == [1, 1, 2, 3] and where[14] == [2, 2, 3, 4]  # every window closes / none does
+        assert w == sorted([1] * 2 + [2 + after[0], 3 + after[1]]), (p, w)
+    assert where[15] == [1, 1, 2, 3] and where[14] == [1, 1, 3, 4]  # every window closes / none does
     # a compressor layer first on its device (it builds the plan) keeps one schedule: on one device, and across two
     # (the device rule only: layers placed on "meta" stand for a second GPU)
     from dsv4.graphs import defer_ratios
 
-    _, first = _model([4, 8, 0], seed=4)
-    assert DecodeRunner(first, first.new_state(8), use_graphs=False).defer_ratio == [0, 8, 0]
-    _, split = _model([0, 4, 8, 16], seed=4)
-    assert defer_ratios(split.place(["cpu", "meta"])) == [0, 4, 0, 16]
+    _, first = _model([8, 16, 0], seed=4)
+    assert DecodeRunner(first, first.new_state(8), use_graphs=False).defer_ratio == [0, 16, 0]
+    _, split = _model([0, 8, 16, 16], seed=4)
+    assert defer_ratios(split.place(["cpu", "meta"])) == [0, 8, 0, 16]
 
 
 def test_next_layers_pre_made_by_the_ffn_op_same_bits():
@@ -257,10 +257,10 @@ def test_graph_decode_defers_compressors_with_the_same_bits(kernels):
     assert set(one.graphs) == {"embed", "head", 0, 1, 2, 3}
     one = None
     two = DecodeRunner(model, model.new_state(T), use_graphs=True)
-    assert set(two.graphs) == {"embed", "head", 0, 1, 2, 3, (1, "emit"), (2, "emit"), (3, "emit")}
+    assert set(two.graphs) == {"embed", "head", 0, 1, 2, 3, (2, "emit"), (3, "emit")}  # the HCA layers
     for i in range(1, 4):  # the next graph reads one tensor whichever schedule ran
         assert two.x_in[i] is two.x_out[i - 1]
-    assert [two.layer_graph(1, p) is two.graphs[(1, "emit")] for p in range(8)] == [False, False, False, True] * 2
+    assert [two.layer_graph(2, p) is two.graphs[(2, "emit")] for p in range(16)] == ([False] * 7 + [True]) * 2
     out = torch.stack([two.step(t).clone() for t in ids])
     assert torch.equal(out, ref), f"deferred schedules differ at {(out != ref).any(-1).nonzero()[:5].tolist()}"
 

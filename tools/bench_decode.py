@@ -10,7 +10,7 @@ Needs a CUDA GPU.
 
 With a context that is a multiple of 128, the step at ctx-1 closes every compressor's window (each emits an
 entry: its costliest step, run in the emitting schedule). The graph rows therefore also time each layer at ctx-2
-("open": every window stays open, the compressors deferred beside the attention unless --no-defer) and project 43
+("open": every window stays open, HCA's compressors deferred beside the attention unless --no-defer) and project 43
 layers over a 128-token cycle, "(cycle)": a layer of compression ratio r emits at one step in r.
 
 --prefill N also times the chunked prefill of an N-token prompt that ends at each context (chunks of up to
@@ -427,7 +427,8 @@ def main(argv=None) -> int:
                         "defers its compressors there)")
     p.add_argument("--no-defer", action="store_true",
                    help="one decode schedule per layer: the compressors always run ahead of the attention (by default "
-                        "a step that closes none of a layer's compressor windows runs them beside it: dsv4/graphs.py)")
+                        "a step that closes none of an HCA layer's compressor windows runs them beside it: "
+                        "dsv4/graphs.py)")
     p.add_argument("--json", metavar="F", help="write the results as JSON to F (default: none)")
     args = p.parse_args(argv)
 

@@ -6,8 +6,8 @@ to `ops.sparse_attn` as index lists in DeepSeek's order (StepPlan). K = V, so th
 are rotated back by -t (inside ops.sparse_attn) before the grouped low-rank projection (wo_a in the activation dtype without
 activation quantization, then wo_b). One forward serves prefill chunks and the captured decode step.
 The compressors (and their fused projection of x) run in a `SideBranch` beside the query / kv path, and
-in CSA layers the indexer after them (once its queries exist); both join before the attention. A decode step that
-closes no compressor window (CSA: 3 steps in 4, HCA: 127 in 128) may defer its compressors (`defer`): the attention
+in CSA layers the indexer after them (once its queries exist); both join before the attention. A decode step of an HCA
+layer that closes no compressor window (127 steps in 128) may defer its compressors (`defer`): the attention
 reads none of what they write then (SPEC §2.4: only the token that closes a window attends to its entry), so they run
 beside the attention and the output projections instead of ahead of them, and join at the end of the layer
 (`AttnStart.join_deferred`). The graph runner captures both schedules for such layers and replays the one the
@@ -70,8 +70,6 @@ class Attention(nn.Module):
         if self.q_b is not None:  # a decode step runs them one by one (begin): views of the fused bytes, own scales
             for m in self.q_b.members:
                 m.prepared()
-        if self.indexer is not None:  # and the indexer's head weights in a GEMV of their own (a view, too)
-            self.indexer.weights_proj.prepared()
 
     def wo_a_grouped(self) -> tuple[torch.Tensor, PreparedLinear | None]:
         """wo_a dequantized once to the activation dtype as [G, o_lora, group_in] (what DeepSeek's convert.py does),
@@ -95,8 +93,11 @@ class Attention(nn.Module):
         return out
 
     def defers(self, x: torch.Tensor, join: bool = False) -> bool:
-        """Whether `defer` applies to this call: a layer with compressors, one token (a decode step), no join."""
-        return self.compressor is not None and x.shape[0] * x.shape[1] == 1 and not join
+        """Whether `defer` applies to this call: an HCA layer (compressors, no indexer), one token (a decode step), no
+        join. A CSA layer's indexer reads the fused projection's head weights every step, so its compressors stay ahead
+        (deferring them with those weights in a GEMV of their own measured slower: docs/performance.md, 43rd pass)."""
+        return (self.compressor is not None and self.indexer is None and x.shape[0] * x.shape[1] == 1
+                and not join)
 
     # The forward in three phases, for the prefill graph runner (dsv4/graphs.py): `begin` and `finish` have the same
     # shapes at every full prefill chunk and are captured; `attend` reads index lists whose width follows the chunk's
@@ -108,24 +109,15 @@ class Attention(nn.Module):
         with it), not before the attention. defer: a decode step that closes no compressor window leaves the
         compressors to attend() (see the module's docstring; ignored where `defers` does not hold)."""
         cos, sin = plan.rope(rope)
-        one = x.shape[0] * x.shape[1] == 1 and not join  # a decode step
         defer = defer and self.defers(x, join)
-        comp_branch = proj = wts = None
-        if self.compressor is not None and not (defer and self.indexer is None):
+        comp_branch = proj = None
+        if self.compressor is not None and not defer:
             # (on the side stream, its work follows a plan still being built)
             # the compressors read x and their own state only: a side branch beside the query / kv path, joined
             # before the indexer's scores and the attention read its entries
             comp_branch = SideBranch(x.device)
             with comp_branch:
-                if self.indexer is not None and one:
-                    # a decode step's indexer head weights in a GEMV of their own, ahead of the compressors (with
-                    # them deferred, alone): the same bits whether or not they are (the fused GEMV still carries the
-                    # 64 rows, unused here, so that its configuration and bits are those of every other step)
-                    wts = self.indexer.weights_proj(x, torch.float32)
-                if not defer:
-                    proj = self._compress(x, plan, st, rope)
-        if proj is not None and wts is None and self.indexer is not None:
-            wts = proj[4]
+                proj = self._compress(x, plan, st, rope)
         q_a, kv = self.qkv_a(x)
         # the query's low-rank norm and wq_b (|| the indexer's wq_b) as one op: a decode step norms inside the GEMV;
         # a prefill chunk's norm hands the GEMM its FP8 codes
@@ -147,8 +139,7 @@ class Attention(nn.Module):
             if join:
                 comp_branch.join()
                 comp_branch = None
-        return AttnStart(x.shape[0], x.shape[1], rope, cos, sin, q, q_idx, kv, proj, comp_branch, x, idx_fork, wts,
-                         defer)
+        return AttnStart(x.shape[0], x.shape[1], rope, cos, sin, q, q_idx, kv, proj, comp_branch, x, idx_fork, defer)
 
     def _compress(self, x: torch.Tensor, plan: StepPlan, st: BlockState, rope: Rope) -> tuple:
         """The compressors on x (on the caller's stream) -> the fused projections (kept referenced by the caller until
@@ -178,7 +169,7 @@ class Attention(nn.Module):
                 n_vis = plan.n_visible(self.spec.ratio)
                 idx_branch = a.idx_fork if a.idx_fork is not None else SideBranch(a.q.device)
                 with idx_branch:
-                    idx_comp = self.indexer(a.q_idx, a.wts, plan, st.indexer, a.rope, n, n_vis)
+                    idx_comp = self.indexer(a.q_idx, a.proj[4], plan, st.indexer, a.rope, n, n_vis)
             else:  # HCA: every visible entry, ascending
                 idx_comp = plan.prefix_idx(self.spec.ratio, n).expand(B, -1, -1)
         q = a.q.unflatten(-1, (self.n_heads, self.head_dim))
@@ -243,7 +234,6 @@ class AttnStart:
     # a decode step of a CSA layer: the indexer chain's branch, forked after the indexer's queries (its work is queued
     # by attend(); between the fork and that work the main stream reads no side-stream tensor)
     idx_fork: SideBranch | None = None
-    wts: torch.Tensor | None = None  # the indexer's head weights (weights_proj of the input: CSA)
     defer: bool = False  # the compressors deferred to attend() (Attention.begin)
     deferred: SideBranch | None = None  # their branch, forked by attend(), joined by join_deferred()
     run_deferred: object = None  # in line: the deferred compressors, run by join_deferred()
