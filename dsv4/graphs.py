@@ -43,8 +43,7 @@ def defer_ratios(model: Transformer) -> list[int]:
     compressors' fused projection every step, or the first layer on its device, which builds the step plan). See the
     module's docstring."""
     devs = [layer.attn_norm.weight.device for layer in model.layers]
-    return [layer.spec.ratio if layer.attn.compressor is not None and layer.attn.indexer is None and i > 0
-            and devs[i - 1] == d else 0
+    return [layer.spec.ratio if layer.attn.can_defer and i > 0 and devs[i - 1] == d else 0
             for i, (layer, d) in enumerate(zip(model.layers, devs))]
 
 

@@ -92,12 +92,16 @@ class Attention(nn.Module):
         a.join_deferred()
         return out
 
+    @property
+    def can_defer(self) -> bool:
+        """An HCA layer (compressors, no indexer): its decode steps may defer the compressors. A CSA layer's indexer
+        reads the fused projection's head weights every step, so its compressors stay ahead (deferring them with those
+        weights in a GEMV of their own measured slower: docs/performance.md, 43rd pass)."""
+        return self.compressor is not None and self.indexer is None
+
     def defers(self, x: torch.Tensor, join: bool = False) -> bool:
-        """Whether `defer` applies to this call: an HCA layer (compressors, no indexer), one token (a decode step), no
-        join. A CSA layer's indexer reads the fused projection's head weights every step, so its compressors stay ahead
-        (deferring them with those weights in a GEMV of their own measured slower: docs/performance.md, 43rd pass)."""
-        return (self.compressor is not None and self.indexer is None and x.shape[0] * x.shape[1] == 1
-                and not join)
+        """Whether `defer` applies to this call: `can_defer`, one token (a decode step), no join."""
+        return self.can_defer and x.shape[0] * x.shape[1] == 1 and not join
 
     # The forward in three phases, for the prefill graph runner (dsv4/graphs.py): `begin` and `finish` have the same
     # shapes at every full prefill chunk and are captured; `attend` reads index lists whose width follows the chunk's
