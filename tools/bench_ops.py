@@ -204,10 +204,11 @@ ATTN = [("attn.swa", "swa", 1024), ("attn.hca.1k", "hca", 1024), ("attn.csa.1k",
 
 
 def attn_cases(dev, randn):
-    """Decode attention of one layer at Flash shapes (64 heads, 512 dims, a full 128-slot window): SWA; HCA (every
-    visible entry, ascending); CSA (512 distinct entries in random order, the indexer's top-k; -1 past the visible
-    count). M is the number of queries. Bytes: q, the distinct rows the lists name, o. The CSA entries buffer holds at most
-    8192 entries (its rows are read only where the list names them): the copies that defeat the L2 cache stay small."""
+    """The attention of one layer at Flash shapes (64 heads, 512 dims, a full 128-slot window): SWA; HCA (every visible
+    entry, ascending); CSA (512 distinct entries in random order, the indexer's top-k; -1 past the visible count). M is
+    the number of queries (1-8: the CUDA decode kernel; more: a prefill chunk, the CUDA prefill kernel). Bytes: q, the
+    distinct rows the lists name, o. The CSA entries buffer holds at most 8192 entries (its rows are read only where
+    the list names them): the copies that defeat the L2 cache stay small."""
     import torch
 
     H, D, W = 64, 512, 128

@@ -72,9 +72,9 @@ def sparse_attn_ref(q: torch.Tensor, kv_win: torch.Tensor, idx_win: torch.Tensor
 
 
 def make_fast(triton_fast):
-    """The fast `sparse_attn`: the CUDA decode kernels (dsv4/ops/sparse_attn_cuda.py: one launch for lists up to 1536
-    slots, three past it) for the calls they take (1-8 bf16 queries, D = 512), the Triton kernels for everything
-    else."""
+    """The fast `sparse_attn`: the CUDA kernels (dsv4/ops/sparse_attn_cuda.py) for the calls they take (bf16, D = 512:
+    decode, 1-8 queries, one launch for lists up to 1536 slots, three past it; prefill chunks, H a multiple of 64, one
+    launch), the Triton kernels for everything else."""
     if triton_fast is None:
         return None
     from dsv4.ops import sparse_attn_cuda
@@ -95,4 +95,5 @@ def register_ops(register) -> None:
         triton_fast = None
     register("sparse_attn", sparse_attn_ref, make_fast(triton_fast), interpretable=True,
              doc="MQA over window + compressed index lists, 64-slot online softmax with sink, output RoPE-inverted",
-             cuda="decode, 1-8 queries, D = 512: one launch for lists <= 1536 slots, three for longer ones")
+             cuda="D = 512: decode (1-8 queries) in one launch for lists <= 1536 slots, three for longer ones; "
+                  "prefill chunks (H a multiple of 64) in one launch, wgmma")

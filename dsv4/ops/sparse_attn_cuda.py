@@ -1,4 +1,4 @@
-"""CUDA fast path of `sparse_attn` for decode (dsv4/kernels/cuda/attn.cu): one launch per call.
+"""CUDA fast path of `sparse_attn` (dsv4/kernels/cuda/attn.cu): decode in one launch per call, prefill chunks too.
 
 Decode queries (1-8 per call: a step, or MTP verification) with bf16 q / K = V rows of 512 dims (bf16, or packed FP8
 rows that the kernel converts to bf16 in shared memory), H a multiple of 16 and int32 index lists:
@@ -12,8 +12,11 @@ rows that the kernel converts to bf16 in shared memory), H a multiple of 16 and 
   (the same p and bf16(p)) into fp32 partials, then the partials combined in split order.
 Given RoPE tables, the output's RoPE dims are rotated back in the epilogue. Same input, same bits; no host sync,
 graph-safe. (On the split path the fp32 sums follow the splits, whose size depends on the number of queries in the
-call and the GPU's SM count: a query's low bits may differ between calls of another query count.) `applies(...)` says whether a call takes this path (else the Triton kernels run: prefill chunks, other
-shapes or dtypes, no CUDA build).
+call and the GPU's SM count: a query's low bits may differ between calls of another query count.)
+Prefill chunks (more than 8 queries, H a multiple of 64, up to 65535 queries and 2^18 slots) take a second kernel: one
+CTA per (query, 64 heads) walks the query's list block by block in order, the reference's sequential walk, with wgmma
+(q K^T and P.V on tensor cores, K = V rows in shared memory gathered one block ahead); the same epilogue. `applies(...)`
+says whether a call takes either path (else the Triton kernels run: other shapes or dtypes, no CUDA build).
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ from dsv4.ops.kv_pack import is_packed, kv_row_bytes
 from dsv4.ops.linear_cuda import PDL, _capability, _index
 
 D = 512  # K = V width (the kernel's tiles)
-HEADS = 16  # query heads per CTA
-MAX_QUERIES = 8  # decode: more queries are prefill chunks, which the Triton kernel (one program per query) serves
+HEADS = 16  # query heads per CTA of the decode kernel
+MAX_QUERIES = 8  # decode; more queries are prefill chunks (sparse_attn_prefill where H is a multiple of 64)
+PREFILL_HEADS = 64  # heads per CTA of the prefill kernel: H a multiple of it
+MAX_PREFILL_QUERIES = 65535
 CLUSTER_SLOTS = 1536  # one launch: 64-slot blocks x 8 CTAs x 3 blocks kept in shared memory per CTA
 MAX_SLOTS = 1 << 18  # longer lists: three launches over up to 256 splits of up to 16 blocks
 PACKED_BYTES = kv_row_bytes(D)  # 592: a packed FP8 row, converted to bf16 in shared memory
@@ -52,17 +57,24 @@ def _list_ok(t: torch.Tensor, q: torch.Tensor) -> bool:
     return t.dtype == torch.int32 and t.device == q.device and t.dim() == 3 and tuple(t.shape[:2]) == tuple(q.shape[:2])
 
 
+def _prefill(q: torch.Tensor) -> bool:
+    """True when a call of these queries goes to the prefill kernel (more than MAX_QUERIES)."""
+    return q.shape[0] * q.shape[1] > MAX_QUERIES
+
+
 def applies(q: torch.Tensor, kv_win: torch.Tensor, idx_win: torch.Tensor, kv_comp: torch.Tensor | None,
             idx_comp: torch.Tensor | None, sink: torch.Tensor, cos: torch.Tensor | None = None,
             sin: torch.Tensor | None = None) -> bool:
-    """True when the CUDA kernel runs this call: CUDA sm_90+ with the shared memory the list needs per CTA (up to
-    ~220 KB), bf16 q [B, S, H, 512] with 1 <= B * S <= 8 and H a multiple of 16, bf16 rows (or packed FP8 rows,
-    both parts) with 16-byte aligned rows, int32 lists of 1..2^18 slots in all, an fp32 sink, no RoPE tables or fp32 [S, rd/2] ones (rd/2 even),
-    the module built."""
+    """True when a CUDA kernel runs this call: CUDA sm_90+ with the shared memory the kernel needs per CTA (up to
+    ~220 KB), bf16 q [B, S, H, 512] with 1 <= B * S <= 8 and H a multiple of 16 (decode) or 8 < B * S <= 65535 and H a
+    multiple of 64 (prefill), bf16 rows (or packed FP8 rows, both parts) with 16-byte aligned rows, int32 lists of
+    1..2^18 slots in all, an fp32 sink, no RoPE tables or fp32 [S, rd/2] ones (rd/2 even), the module built."""
     if not (q.is_cuda and q.dtype == torch.bfloat16 and q.dim() == 4 and q.shape[3] == D and q.stride(3) == 1):
         return False
     B, S, H, _ = q.shape
-    if not (1 <= B * S <= MAX_QUERIES and H % HEADS == 0 and H >= HEADS):
+    prefill = _prefill(q)
+    heads = PREFILL_HEADS if prefill else HEADS
+    if not (1 <= B * S <= (MAX_PREFILL_QUERIES if prefill else MAX_QUERIES) and H % heads == 0 and H >= heads):
         return False
     if not (q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0 and q.stride(2) % 8 == 0 and q.data_ptr() % 16 == 0):
         return False
@@ -90,8 +102,11 @@ def applies(q: torch.Tensor, kv_win: torch.Tensor, idx_win: torch.Tensor, kv_com
     if _capability(_index(q))[0] < 9:
         return False
     mod = cuda_kernels.load()
+    if mod is None:
+        return False
     # the shared memory its CTAs take for this list (a GPU with less per block than an H100 / H200: Triton)
-    return mod is not None and 0 < mod.sparse_attn_decode_smem(L) <= _smem_optin(_index(q))
+    smem = mod.sparse_attn_prefill_smem() if prefill else mod.sparse_attn_decode_smem(L)
+    return 0 < smem <= _smem_optin(_index(q))
 
 
 def sparse_attn(q: torch.Tensor, kv_win: torch.Tensor, idx_win: torch.Tensor, kv_comp: torch.Tensor | None,
@@ -104,6 +119,9 @@ def sparse_attn(q: torch.Tensor, kv_win: torch.Tensor, idx_win: torch.Tensor, kv
         kv_comp = idx_comp = None
     if cos is not None:
         cos, sin = cos.contiguous(), sin.contiguous()
-    cuda_kernels.load().sparse_attn_decode(q, kv_win, idx_win, kv_comp, idx_comp, sink, o, float(scale), PDL, cos, sin,
-                                            MAX_CLUSTER)
+    mod = cuda_kernels.load()
+    if _prefill(q):
+        mod.sparse_attn_prefill(q, kv_win, idx_win, kv_comp, idx_comp, sink, o, float(scale), PDL, cos, sin)
+    else:
+        mod.sparse_attn_decode(q, kv_win, idx_win, kv_comp, idx_comp, sink, o, float(scale), PDL, cos, sin, MAX_CLUSTER)
     return o

@@ -1,4 +1,5 @@
-"""dsv4.ops.sparse_attn_cuda (decode attention in one launch, dsv4/kernels/cuda/attn.cu) against sparse_attn_ref.
+"""dsv4.ops.sparse_attn_cuda (decode attention in one launch and prefill chunks, dsv4/kernels/cuda/attn.cu) against
+sparse_attn_ref.
 
 GPU only. Fresh random inputs: Flash decode shapes (64 heads, 512 dims, a 128-slot window) at 1K, 16K and 128K
 context for SWA, HCA (every visible entry, ascending, -1 past the visible count) and CSA (the indexer's top-512 in any
@@ -12,7 +13,12 @@ odd long lists (holes, -1 tails, empty splits, several queries and sequences), a
 across splits, a query without a valid slot. The kernels walk the reference's 64-slot blocks with the walk's own
 running maximum, so they must agree within `op_attention` and differ from the reference in few output elements (fp32
 summation order only). Also: bitwise determinism, CUDA-graph replay == eager (and follows new lists), the registered
-fast op routing decode calls here, and the binding's refusals.
+fast op routing decode calls here, and the binding's refusals. The prefill kernel (more than 8 queries, H a multiple of
+64; one CTA per (query, 64 heads) walking the list in order): Flash prefill chunks of 128 queries at 1K, 16K and 128K
+for SWA, HCA and CSA, causal windows, odd chunk sizes and lists (9 and 37 queries, 128 heads, two sequences, holes,
+empty blocks before the first valid one, a query without a valid slot, a late jump of the running maximum), HCA lists
+of 1M tokens, packed rows (bit for bit the bf16 rows of the same values, also with holes, a partial last block and
+an empty query), RoPE-inverted outputs bit for bit, determinism and graph replay.
 """
 
 from __future__ import annotations
@@ -161,7 +167,9 @@ def test_limits_route_elsewhere():
     assert sc.applies(q, kvw, iw, kvc, longest, sink)  # 2^18 slots: the split path
     assert not sc.applies(q, kvw, iw, kvc, torch.cat([longest, longest[..., :1]], -1), sink)  # one more: Triton
     chunk = make_case(1, 9, 64, 512, 128, 256, 256, seed=1, device="cuda")
-    assert not sc.applies(*chunk[:6])  # 9 queries: a prefill chunk
+    assert sc.applies(*chunk[:6])  # 9 queries: a prefill chunk, the prefill kernel
+    narrow = make_case(1, 9, 16, 512, 128, 256, 256, seed=1, device="cuda")
+    assert not sc.applies(*narrow[:6])  # a prefill chunk of 16 heads (H not a multiple of 64): Triton
     small = make_case(1, 1, 64, 256, 128, 256, 256, seed=1, device="cuda")
     assert not sc.applies(*small[:6])  # D = 256 (the demo model)
     mod = cuda_kernels.load()
@@ -193,7 +201,7 @@ def test_deterministic_and_graph_replay_follows_new_lists():
     assert_bitwise_equal(out, first, "graph replay after new lists")
 
 
-def test_fast_op_routes_decode_here():
+def test_fast_op_routes_decode_and_prefill_here():
     from dsv4 import ops
     from dsv4.ops import sparse_attn_triton
 
@@ -201,7 +209,9 @@ def test_fast_op_routes_decode_here():
     dec = flash_case(16384, "hca", 1, seed=21)
     assert_bitwise_equal(ops.OPS["sparse_attn"].fast(*dec), sc.sparse_attn(*dec), "decode")
     pre = flash_case(16384, "hca", 16, seed=22)
-    assert_bitwise_equal(ops.OPS["sparse_attn"].fast(*pre), sparse_attn_triton.sparse_attn(*pre), "prefill chunk")
+    assert_bitwise_equal(ops.OPS["sparse_attn"].fast(*pre), sc.sparse_attn(*pre), "prefill chunk")
+    narrow = make_case(1, 16, 32, 512, 128, 256, 256, seed=23, device="cuda")  # 32 heads: the Triton kernels
+    assert_bitwise_equal(ops.OPS["sparse_attn"].fast(*narrow), sparse_attn_triton.sparse_attn(*narrow), "32 heads")
 
 
 @pytest.mark.parametrize("kind,S", [("csa", 1), ("hca", 4), ("swa", 2), ("csa", 8)])
@@ -322,3 +332,131 @@ def test_long_deterministic_graph_replay_rope_and_fast_op():
     torch.cuda.synchronize()
     assert_bitwise_equal(out, sc.sparse_attn(*args), "graph replay after new lists")
     assert_close_rel(out, sparse_attn_ref(*args), "op_attention")
+
+
+# ---- prefill chunks: one CTA per (query, 64 heads), the list walked in order (wgmma) ----
+
+def causal_window(args, start: int, W: int = 128):
+    """The model's prefill window lists for a chunk of S queries at positions start .. start + S - 1 (StepPlan.build):
+    the ring's W rows then the chunk's own rows (kv_win [B, W + S, D]), query i seeing the W positions up to its own."""
+    q, kvw, iw, kvc, ic, sink, scale = args
+    B, S = q.shape[:2]
+    pos = start + torch.arange(S, device=q.device)
+    p = (pos - W + 1).clamp_min(0)[:, None] + torch.arange(W, device=q.device)[None, :]
+    row = torch.where(p >= start, W + p - start, p % W)
+    iw = torch.where(p <= pos[:, None], row, -1).to(torch.int32)[None].expand(B, S, W).contiguous()
+    g = torch.Generator(device="cuda").manual_seed(start)
+    kvw = torch.randn(B, W + S, q.shape[-1], generator=g, device="cuda").to(q.dtype)
+    return q, kvw, iw, kvc, ic, sink, scale
+
+
+@pytest.mark.parametrize("kind", ["swa", "hca", "csa"])
+@pytest.mark.parametrize("context", [1024, 16384, 131072])
+def test_prefill_flash(context, kind):
+    # a 128-query chunk ending at the context, its window causal
+    check(causal_window(flash_case(context, kind, 128, seed=context + len(kind)), context - 128))
+
+
+@pytest.mark.parametrize("B,S,H,Lw,Lc,holes", [(1, 9, 64, 128, 512, 0.1), (2, 37, 128, 100, 333, 0.3),
+                                               (1, 16, 64, 37, 0, 0.5), (1, 12, 64, 1, 0, 0.0),
+                                               (2, 10, 64, 128, 1409, 0.2)])
+def test_prefill_odd_chunks_and_lists(B, S, H, Lw, Lc, holes):
+    # chunk sizes and list lengths off the grids, holes, a block straddling the window and compressed parts, 128 heads
+    # (two CTAs a query), two sequences
+    args = make_case(B, S, H, 512, Lw, max(Lc, 1), Lc, seed=B + S + H + Lw + Lc, win_holes=holes, csa=True,
+                     device="cuda", n_vis=None if Lc == 0 else max(Lc // 2, 1))
+    check(args)
+
+
+def test_prefill_empty_blocks_late_jump_and_empty_query():
+    # an HCA list of 1024 entries + the window: query 0 sees no window slot and entries 0-511 empty (the walk starts at
+    # its 11th block), keys at entries 900-903 aligned with the queries (the running maximum jumps late); query 3 has no
+    # valid slot at all
+    q, kvw, iw, kvc, ic, sink, scale = make_case(1, 12, 64, 512, 128, 1024, 1024, seed=19, csa=False, device="cuda")
+    iw[:, 0] = -1
+    ic[:, 0, :512] = -1
+    kvc[:, 900:904] += (3.0 * q[:, :1, :4].float().mean(1)).to(kvc.dtype)
+    iw[:, 3] = -1
+    ic[:, 3] = -1
+    o, ref = check((q, kvw, iw, kvc, ic, sink, scale))
+    assert o[:, 3].abs().sum().item() == 0, "a query without a valid slot must get zeros"
+    ic2 = ic.clone()
+    ic2[:, :, 896:] = -1
+    assert (ref[:, 0].float() - sparse_attn_ref(q, kvw, iw, kvc, ic2, sink, scale)[:, 0].float()).abs().max() > 0.1
+
+
+def test_prefill_long_hca_list():
+    # 16 queries over an HCA list at 1M tokens (8192 entries + the window: 130 blocks, walked in one CTA each)
+    check(causal_window(flash_case(1048576, "hca", 16, seed=77), 1048576 - 16))
+
+
+def _odd_packed_case():
+    # holes, a partial last block (100 + 333 slots), a query without a valid slot, another whose first blocks are empty
+    args = make_case(1, 11, 64, 512, 100, 700, 333, seed=8, win_holes=0.3, csa=True, device="cuda", n_vis=300)
+    q, kvw, iw, kvc, ic, sink, scale = args
+    iw[:, 4] = -1
+    ic[:, 4] = -1
+    iw[:, 7] = -1
+    ic[:, 7, :200] = -1
+    return args
+
+
+@pytest.mark.parametrize("kind", ["csa", "hca", "odd"])
+def test_prefill_packed_rows_bitwise(kind):
+    # packed FP8 rows are converted to their exact bf16 values in shared memory: the same bits as the bf16 rows
+    from dsv4.ops.kv_pack import kv_pack_ref
+
+    sc = _mod()
+    if kind == "odd":
+        args = _fp8_rows(_odd_packed_case())
+    else:
+        args = _fp8_rows(causal_window(flash_case(16384, kind, 64, seed=5 + len(kind)), 16384 - 64))
+    q, kvw, iw, kvc, ic, sink, scale = args
+    pk = (q, kv_pack_ref(kvw), iw, kv_pack_ref(kvc), ic, sink, scale)
+    assert sc.applies(*pk[:6])
+    plain = check(args)[0]
+    assert_bitwise_equal(sc.sparse_attn(*pk), plain, "packed rows")
+    assert_close_rel(sc.sparse_attn(*pk), sparse_attn_ref(*pk), "op_attention")
+
+
+@pytest.mark.parametrize("kind", ["csa", "swa"])
+def test_prefill_rope_deterministic_graph_replay(kind):
+    from dsv4 import ops
+    from dsv4.testing import capture_graph
+
+    sc = _mod()
+    S = 128
+    args = causal_window(flash_case(131072, kind, S, seed=90 + len(kind)), 131072 - S)
+    cos, sin = rope_tables(S, 64, seed=4, device="cuda")
+    assert sc.applies(*args[:6], cos, sin)
+    plain = sc.sparse_attn(*args)
+    o = sc.sparse_attn(*args, cos, sin)
+    assert_bitwise_equal(o, rope_ref(plain, cos, sin, True), f"RoPE-inverted output {kind}")
+    assert_bitwise_equal(ops.OPS["sparse_attn"].fast(*args, cos, sin), o, "the fast op")
+    assert_close_rel(o, sparse_attn_ref(*args, cos, sin), "op_attention")
+    for _ in range(3):
+        assert_bitwise_equal(sc.sparse_attn(*args, cos, sin), o, "rerun")
+    want, out = graph_replay(lambda: sc.sparse_attn(*args, cos, sin))
+    assert_bitwise_equal(out, want, "graph replay")
+    q, kvw, iw, kvc, ic, sink, scale = args
+    graph, out = capture_graph(lambda: sc.sparse_attn(*args))
+    iw[:, :, 64:] = -1  # new lists in the same buffers: the replay reads them
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_bitwise_equal(out, sc.sparse_attn(*args), "graph replay after new lists")
+
+
+def test_prefill_binding_refuses_bad_calls():
+    mod = cuda_kernels.load()
+    q, kvw, iw, kvc, ic, sink, scale = make_case(1, 9, 64, 512, 128, 256, 256, seed=3, device="cuda")
+    o = torch.empty_like(q)
+    bad_heads = r"sparse_attn_prefill: q must be .*H a multiple of 64 .*\(got H = 32, D = 512\)"
+    with pytest.raises(RuntimeError, match=bad_heads):
+        mod.sparse_attn_prefill(q[:, :, :32], kvw, iw, kvc, ic, sink[:32], o[:, :, :32], scale, False, None, None)
+    with pytest.raises(RuntimeError, match="sparse_attn_prefill: idx_win must be int32"):
+        mod.sparse_attn_prefill(q, kvw, iw.long(), kvc, ic, sink, o, scale, False, None, None)
+    with pytest.raises(RuntimeError, match="sparse_attn_prefill: cos and sin come together"):
+        mod.sparse_attn_prefill(q, kvw, iw, kvc, ic, sink, o, scale, False, torch.zeros(9, 32, device="cuda"), None)
+    # 64 KB of q, two 64 KB tiles, 8 KB of bf16(p), 2,064 bytes of small arrays (row pointers, valid bits, maxima and
+    # sums), 1024 of alignment slack: within an H100 / H200 CTA's 227 KB
+    assert mod.sparse_attn_prefill_smem() == 65536 + 2 * 65536 + 8192 + 2064 + 1024 <= 227 * 1024

@@ -1,12 +1,12 @@
-// Sparse MQA attention with a per-head sink for decode (1-8 queries), SPEC §2.3.5, in one launch.
+// Sparse MQA attention with a per-head sink (SPEC §2.3.5): decode (1-8 queries) in one launch, and prefill chunks.
 //
 // One K = V row of 512 bf16 per slot; each query's index list (window part, then compressed part; -1 = none) is cut
 // into blocks of 64 slots, and DeepSeek's online softmax walks them in order: m_new = max(m, max s), p = exp(s - m_new),
 // Z = Z e^(m - m_new) + sum p, acc = acc e^(m - m_new) + bf16(p).V (fp32 sums), then Z += e^(sink - m), o = acc / Z.
 //
-// Work split: a thread-block cluster of C = 1, 2, 4 or 8 CTAs (8 warps each) per (query, 16 heads), or of 16 for 9-24
-// blocks where the device holds every query's cluster at once (a non-portable size: fewer blocks one after another in
-// each CTA); CTA r takes the list's blocks r, r + C, r + 2C, ... (at most 3), gathers their rows into shared memory
+// Decode, work split: a thread-block cluster of C = 1, 2, 4 or 8 CTAs (8 warps each) per (query, 16 heads), or of 16
+// for 9-24 blocks where the device holds every query's cluster at once (a non-portable size: fewer blocks one after
+// another in each CTA); CTA r takes the list's blocks r, r + C, r + 2C, ... (at most 3), gathers their rows into shared memory
 // (cp.async, 16-byte chunks swizzled by row) and:
 // 1. computes each block's logits s = (q.k) * scale (mma.sync bf16, fp32 accumulation; -inf for empty slots) and keeps
 //    them in registers; each block's maximum per head is stored into every CTA of the cluster;
@@ -53,7 +53,12 @@ using dev::cp_async_commit;
 using dev::cp_async_wait;
 using dev::griddep_launch_dependents;
 using dev::griddep_wait;
+using dev::fence_acc;
+using dev::fence_proxy_async;
 using dev::mma_bf16;
+using dev::wgmma_commit;
+using dev::wgmma_fence;
+using dev::wgmma_wait0;
 
 template <int C, int NBL>
 struct Small {
@@ -157,6 +162,24 @@ __device__ __forceinline__ void pv(const unsigned char* p_s, const unsigned char
   }
 }
 
+// eight e4m3 codes (words lo, hi) times their block's E8M0 scale byte -> eight bf16, a 16-byte chunk (code x 2^k is
+// exact in bf16)
+__device__ __forceinline__ uint4 codes_bf16(uint32_t lo_word, uint32_t hi_word, uint32_t scale_byte) {
+  const float sc = __uint_as_float(scale_byte << 23);  // 2^(byte - 127)
+  uint4 out;
+  uint32_t* o = reinterpret_cast<uint32_t*>(&out);
+#pragma unroll
+  for (int w = 0; w < 2; ++w) {
+    const uint32_t word = w ? hi_word : lo_word;
+    const uint32_t lw = dev::e4m3_lo_f16x2(word), hw = dev::e4m3_hi_f16x2(word);
+    const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&lw));
+    const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&hw));
+    o[2 * w] = bf16x2(lo.x * sc, lo.y * sc);
+    o[2 * w + 1] = bf16x2(hi.x * sc, hi.y * sc);
+  }
+  return out;
+}
+
 // packed rows of block j, gathered to the front of its tile (kAttnPackedBytes apart) -> the tile's swizzled bf16 rows.
 // Thread t converts 16-byte output chunk t % 64 of rows t / 64, t / 64 + 4, ...: 8 codes and their scale, or 8 RoPE
 // values; every read is done before any write (the two overlap)
@@ -179,19 +202,7 @@ __device__ __forceinline__ void unpack_block(unsigned char* tile, int tid) {
 #pragma unroll
   for (int k = 0; k < kItems; ++k) {
     uint4 out = v[k];
-    if (c < kCodeChunks) {
-      const float sc = __uint_as_float(v[k].z << 23);  // 2^(byte - 127)
-      uint32_t* o = reinterpret_cast<uint32_t*>(&out);
-#pragma unroll
-      for (int w = 0; w < 2; ++w) {
-        const uint32_t word = w ? v[k].y : v[k].x;
-        const uint32_t lw = dev::e4m3_lo_f16x2(word), hw = dev::e4m3_hi_f16x2(word);
-        const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&lw));
-        const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&hw));
-        o[2 * w] = bf16x2(lo.x * sc, lo.y * sc);
-        o[2 * w + 1] = bf16x2(hi.x * sc, hi.y * sc);
-      }
-    }
+    if (c < kCodeChunks) out = codes_bf16(v[k].x, v[k].y, v[k].z);
     *reinterpret_cast<uint4*>(tile + swz(i0 + k * (kThreads / kChunks), c, kRowBytes)) = out;
   }
 }
@@ -209,8 +220,8 @@ __device__ __forceinline__ const unsigned char* slot_row(const AttnArgs& a, long
   return nullptr;
 }
 
-// one block's rows -> its tile, one cp.async per 16 bytes (empty slots zero-filled from `fill`, never read): bf16 rows
-// swizzled (thread t copies chunk t % 64 of rows t / 64, t / 64 + 4, ...), packed rows to the front, unswizzled
+// one block's rows -> its tile, one cp.async per 16 bytes (empty slots zero-filled; `fill` itself is never read):
+// bf16 rows swizzled (thread t copies chunk t % 64 of rows t / 64, t / 64 + 4, ...), packed rows to the front, unswizzled
 template <bool PACKED>
 __device__ __forceinline__ void gather_rows(unsigned char* dst, const unsigned char* const* rows, int tid,
                                             const void* fill) {
@@ -858,6 +869,340 @@ bool use_wide(int slots, int queries, int head_groups, bool packed, bool allowed
   return held >= queries * head_groups;
 }
 
+
+// ---- prefill chunks: one CTA per (query, 64 heads), wgmma ----
+// A prefill chunk has many queries (up to 128), each with its own list: a CTA takes one query and 64 heads, the M of
+// a wgmma, and walks the query's blocks one after another in the list's order, the reference's sequential walk (only
+// the fp32 sums of q.k, of p and of P.V run in another order). Two warpgroups: for a block, warpgroup w computes the
+// logits of slots 32 w .. 32 w + 31 for all 64 heads (S = q K^T, 32 m64n32k16 over the 512 dims), the block's maximum
+// and sum of p per head go through shared memory, bf16(p) [64 heads x 64 slots] into shared memory, and warpgroup w
+// then adds P.V for output columns 256 w .. 256 w + 255 (4 m64n256k16 over the 64 slots) into its 128 fp32
+// accumulators per thread (rescaled only where the running maximum moved: a factor of 1 changes nothing). Operands in
+// shared memory as wgmma's 128-byte-swizzled atoms: q and a block's rows as [8 segments of 64 dims][64 rows][128 bytes]
+// (K-major for q K^T; the same tile is P.V's MN-major B: K = V), bf16(p) as [64 heads][64 slots]. The rows of block
+// j + 1 are gathered with cp.async while block j is computed, into the other of two tiles (blocks 0 and 1 both before
+// the first), and the list's indices of block j + 2 are loaded meanwhile; a block without a valid slot is neither
+// gathered nor computed (the walk leaves m, Z and acc unchanged over it). Packed FP8 rows are gathered to the front of
+// their tile and converted in place. The epilogue is the decode kernel's: Z += e^(sink - m), o = acc / Z (IEEE
+// division) rounded once, the RoPE dims rotated back.
+constexpr int kPfThreads = 256;                          // two warpgroups
+constexpr int kAtomRow = 128;                            // bytes of a swizzle atom's row: 64 bf16
+constexpr int kSegBytes = kAttnBlock * kAtomRow;         // 8 KB: one 64-dim segment of 64 rows
+constexpr int kPfQBytes = kAttnPrefillHeads * kRowBytes;  // 64 KB of q
+constexpr int kPfTileBytes = kAttnBlock * kRowBytes;     // 64 KB: a block's rows
+constexpr int kPfPBytes = kAttnPrefillHeads * kAtomRow;  // 8 KB of bf16(p)
+static_assert(kPfThreads == kThreads, "the packed gather (gather_rows<true>) is shared with the decode kernel");
+static_assert(kAttnPrefillHeads == 64 && kAttnBlock == 64, "one wgmma M of heads, one atom row of slots");
+
+struct PfSmall {
+  const unsigned char* rows[2][kAttnBlock];  // each slot's row for the two tiles' blocks (null: none)
+  unsigned valid[2][2];                      // and their valid slots as bits (slots 0-31, 32-63)
+  float red[2][2][kAttnPrefillHeads];        // [maximum | sum of p][warpgroup][head]
+};
+
+constexpr int kPfSmem = 1024 + kPfQBytes + 2 * kPfTileBytes + kPfPBytes + static_cast<int>(sizeof(PfSmall));
+
+// byte offset of 16-byte chunk c (0..63) of row i (0..63) in a [8][64][128] tile: the atoms' own 128-byte swizzle
+__device__ __forceinline__ int atom_off(int i, int c) {
+  return (c >> 3) * kSegBytes + i * kAtomRow + (((c & 7) ^ (i & 7)) << 4);
+}
+
+// d[16] (+)= A[64 x k16] B[32 x k16]^T, bf16, both K-major in shared memory, fp32 accumulators (d = A B when
+// !accumulate). Thread t of the warpgroup holds rows 16 (t / 32) + (t % 32) / 4 + {0, 8}: d[4j + {0, 1}] at columns
+// 8j + 2 (t % 4) + {0, 1} of the first row, d[4j + {2, 3}] of the second
+__device__ __forceinline__ void wgmma_m64n32k16_bf16(float (&d)[16], uint64_t da, uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+      : DSV4_ACC8(0), DSV4_ACC8(8)
+      : "l"(da), "l"(db), "r"(accumulate));
+}
+
+// d[128] += A[64 x k16] (K-major) B[k16 x 256] (MN-major: transposed), bf16 in shared memory; d's layout as above,
+// j < 32
+__device__ __forceinline__ void wgmma_m64n256k16_bf16_tb(float (&d)[128], uint64_t da, uint64_t db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+      "{"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+      "%128, %129, p, 1, 1, 0, 1;\n}\n"
+      : DSV4_ACC8(0), DSV4_ACC8(8), DSV4_ACC8(16), DSV4_ACC8(24), DSV4_ACC8(32), DSV4_ACC8(40),
+        DSV4_ACC8(48), DSV4_ACC8(56), DSV4_ACC8(64), DSV4_ACC8(72), DSV4_ACC8(80), DSV4_ACC8(88),
+        DSV4_ACC8(96), DSV4_ACC8(104), DSV4_ACC8(112), DSV4_ACC8(120)
+      : "l"(da), "l"(db), "r"(1));
+}
+
+// a block's bf16 rows -> its tile's atoms, one cp.async per 16 bytes (empty slots zero-filled; `fill` itself is never
+// read): thread t copies chunk t % 64 of rows t / 64, t / 64 + 4, ...
+__device__ __forceinline__ void pf_gather(unsigned char* tile, const unsigned char* const* rows, int tid,
+                                          const void* fill) {
+  const int c = tid & (kChunks - 1), i0 = tid / kChunks;
+#pragma unroll 4
+  for (int i = i0; i < kAttnBlock; i += kPfThreads / kChunks) {
+    const unsigned char* row = rows[i];
+    cp_async16(tile + atom_off(i, c), row != nullptr ? row + c * 16 : fill, row != nullptr);
+  }
+}
+
+// packed rows gathered to the front of the tile (kAttnPackedBytes apart, 37,888 bytes: segments 0-4) -> the tile's
+// bf16 atoms, in place: the chunks of segments 5-7 (dims 320-511) land past the packed rows and are written as they are
+// read; those of segments 0-4 are all read before the barrier and written after it
+__device__ __forceinline__ void pf_unpack(unsigned char* tile, int tid) {
+  constexpr int kCodeChunks = kAttnNope / 8;  // 56: the rest are RoPE chunks
+  constexpr int kLow = 40;                    // chunks in segments 0-4
+  static_assert(kAttnBlock * kAttnPackedBytes <= (kLow / 8) * kSegBytes, "the packed rows end in segment 4");
+  constexpr int kHighItems = kAttnBlock * (kChunks - kLow) / kPfThreads;  // 6
+  constexpr int kLowItems = kAttnBlock * kLow / kPfThreads;               // 10
+#pragma unroll
+  for (int k = 0; k < kHighItems; ++k) {
+    const int u = k * kPfThreads + tid, i = u / (kChunks - kLow), c = kLow + u % (kChunks - kLow);
+    const unsigned char* row = tile + i * kAttnPackedBytes;
+    uint4 out;
+    if (c < kCodeChunks) {
+      const uint2 codes = *reinterpret_cast<const uint2*>(row + c * 8);
+      out = codes_bf16(codes.x, codes.y, row[kAttnNope + 128 + c / 8]);
+    } else {
+      out = *reinterpret_cast<const uint4*>(row + kAttnNope + (c - kCodeChunks) * 16);
+    }
+    *reinterpret_cast<uint4*>(tile + atom_off(i, c)) = out;
+  }
+  uint2 codes[kLowItems];
+  uint32_t scales[kLowItems];
+#pragma unroll
+  for (int k = 0; k < kLowItems; ++k) {
+    const int u = k * kPfThreads + tid, i = u / kLow, c = u % kLow;
+    const unsigned char* row = tile + i * kAttnPackedBytes;
+    codes[k] = *reinterpret_cast<const uint2*>(row + c * 8);
+    scales[k] = row[kAttnNope + 128 + c / 8];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int k = 0; k < kLowItems; ++k) {
+    const int u = k * kPfThreads + tid, i = u / kLow, c = u % kLow;
+    *reinterpret_cast<uint4*>(tile + atom_off(i, c)) = codes_bf16(codes[k].x, codes[k].y, scales[k]);
+  }
+}
+
+// block j's rows (threads 0-63 hold one slot's row each: row) -> rows, their valid slots as bits -> valid; true when
+// one is valid (the same in every thread: a barrier)
+__device__ __forceinline__ bool pf_publish(const unsigned char* row, const unsigned char** rows, unsigned* valid,
+                                           int tid) {
+  if (tid < kAttnBlock) {
+    rows[tid] = row;
+    const unsigned bits = __ballot_sync(0xffffffffu, row != nullptr);
+    if ((tid & 31) == 0) valid[tid >> 5] = bits;
+  }
+  return __syncthreads_or(row != nullptr) != 0;
+}
+
+template <bool PACKED>
+__device__ __forceinline__ void pf_issue(unsigned char* tile, const unsigned char* const* rows, int tid,
+                                         const void* fill) {
+  if constexpr (PACKED) {
+    gather_rows<true>(tile, rows, tid, fill);
+  } else {
+    pf_gather(tile, rows, tid, fill);
+  }
+}
+
+template <bool PACKED>
+__global__ void __launch_bounds__(kPfThreads, 1) sparse_attn_prefill_kernel(const AttnArgs a) {
+  extern __shared__ unsigned char smem_raw[];
+  // the swizzle atoms must be 1024-byte aligned
+  unsigned char* q_s = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  unsigned char* tiles = q_s + kPfQBytes;
+  unsigned char* p_s = tiles + 2 * kPfTileBytes;
+  PfSmall& sm = *reinterpret_cast<PfSmall*>(p_s + kPfPBytes);
+
+  const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31;
+  const int r0 = 16 * ((tid >> 5) & 3) + (lane >> 2), r1 = r0 + 8;  // this thread's rows (heads) of S and of o
+  const int cq = 2 * (lane & 3);                                      // its first column in each 8-column group
+  const int h0 = blockIdx.x * kAttnPrefillHeads;
+  const long long b = blockIdx.y / a.S, s = blockIdx.y % a.S;
+  const int nblk = (a.Lw + a.Lc + kAttnBlock - 1) / kAttnBlock;
+  // wgmma descriptors: q, bf16(p) (K-major); a k-step of 16 adds 32 bytes (2 in the address field) inside an atom
+  const uint64_t dq = dev::desc_sw128(smem_u32(q_s)), dp = dev::desc_sw128(smem_u32(p_s));
+
+  griddep_wait();  // q, the lists and the rows all come from earlier kernels
+  griddep_launch_dependents();
+
+  {  // the 64 heads' q rows -> q_s
+    const __nv_bfloat16* qb = a.q + b * a.sq_b + s * a.sq_s + static_cast<long long>(h0) * a.sq_h;
+    const int c = tid & (kChunks - 1);
+#pragma unroll 4
+    for (int i = tid / kChunks; i < kAttnPrefillHeads; i += kPfThreads / kChunks) {
+      cp_async16(q_s + atom_off(i, c), qb + i * a.sq_h + c * 8, true);
+    }
+  }
+  // blocks 0 and 1 gathered (two cp.async groups, q in the first); block 2's indices in flight (nxt: threads 0-63)
+  const unsigned char* nxt = tid < kAttnBlock ? slot_row(a, b, s, tid) : nullptr;
+  bool vj = pf_publish(nxt, sm.rows[0], sm.valid[0], tid);  // block j has a valid slot
+  if (vj) pf_issue<PACKED>(tiles, sm.rows[0], tid, a.q);
+  cp_async_commit();
+  nxt = tid < kAttnBlock ? slot_row(a, b, s, kAttnBlock + tid) : nullptr;
+  bool vn = pf_publish(nxt, sm.rows[1], sm.valid[1], tid);  // and block j + 1
+  if (vn) pf_issue<PACKED>(tiles + kPfTileBytes, sm.rows[1], tid, a.q);
+  cp_async_commit();
+  nxt = tid < kAttnBlock ? slot_row(a, b, s, 2 * kAttnBlock + tid) : nullptr;
+
+  float acc[128];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+  float m0 = kNegInf, m1 = kNegInf, z0 = 0.0f, z1 = 0.0f;  // the walk's running maximum and Z of rows r0, r1
+
+  for (int j = 0; j < nblk; ++j) {
+    const int buf = j & 1;
+    unsigned char* tile = tiles + buf * kPfTileBytes;
+    if (j == 0) {  // block 1 is in flight already
+      cp_async_wait<1>();   // block 0's rows and q have landed (this thread's copies) ...
+      fence_proxy_async();  // ... visible to wgmma; after the barrier, everyone's
+      __syncthreads();
+    } else {
+      cp_async_wait<0>();   // block j's rows have landed (this thread's copies) ...
+      fence_proxy_async();  // ... visible to wgmma; after the barrier, everyone's. Past it every thread is done with
+                            // block j - 1: its tile, rows and bits may be rewritten with block j + 1's
+      vn = pf_publish(nxt, sm.rows[buf ^ 1], sm.valid[buf ^ 1], tid);
+      if (vn) pf_issue<PACKED>(tiles + (buf ^ 1) * kPfTileBytes, sm.rows[buf ^ 1], tid, a.q);
+      cp_async_commit();
+      nxt = tid < kAttnBlock ? slot_row(a, b, s, (j + 2) * kAttnBlock + tid) : nullptr;  // block j + 2's, in flight
+    }
+    if (vj) {  // the same for the whole CTA
+      if constexpr (PACKED) {
+        pf_unpack(tile, tid);
+        fence_proxy_async();
+        __syncthreads();
+      }
+      const uint32_t ta = smem_u32(tile);
+      // S = q K^T for this warpgroup's 32 slots: 32 k-steps of 16 dims (32 bytes inside a segment's atoms)
+      const uint64_t dk = dev::desc_sw128(ta + wg * 32 * kAtomRow);
+      float sc[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) sc[i] = 0.0f;
+      fence_acc(sc);
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < kAttnD / 16; ++k) {
+        const uint64_t off = ((k >> 2) * kSegBytes + (k & 3) * 32) >> 4;
+        wgmma_m64n32k16_bf16(sc, dq + off, dk + off, k);
+      }
+      wgmma_commit();
+      wgmma_wait0();
+      fence_acc(sc);
+
+      // scale and mask; the block's maximum per head over both warpgroups
+      const unsigned bits = sm.valid[buf][wg];  // this warpgroup's 32 slots
+      float mx0 = kNegInf, mx1 = kNegInf;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int col = 8 * i + cq;  // within the warpgroup's slots
+        const bool ok0 = (bits >> col) & 1u, ok1 = (bits >> (col + 1)) & 1u;
+        sc[4 * i] = ok0 ? sc[4 * i] * a.scale : kNegInf;
+        sc[4 * i + 1] = ok1 ? sc[4 * i + 1] * a.scale : kNegInf;
+        sc[4 * i + 2] = ok0 ? sc[4 * i + 2] * a.scale : kNegInf;
+        sc[4 * i + 3] = ok1 ? sc[4 * i + 3] * a.scale : kNegInf;
+        mx0 = fmaxf(mx0, fmaxf(sc[4 * i], sc[4 * i + 1]));
+        mx1 = fmaxf(mx1, fmaxf(sc[4 * i + 2], sc[4 * i + 3]));
+      }
+#pragma unroll
+      for (int o = 1; o <= 2; o <<= 1) {
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
+      }
+      if ((lane & 3) == 0) {
+        sm.red[0][wg][r0] = mx0;
+        sm.red[0][wg][r1] = mx1;
+      }
+      __syncthreads();
+      // the running maximum (finite: the block has a valid slot), p = exp(s - m) (fp32), bf16(p) into P
+      const float n0 = fmaxf(m0, fmaxf(sm.red[0][0][r0], sm.red[0][1][r0]));
+      const float n1 = fmaxf(m1, fmaxf(sm.red[0][0][r1], sm.red[0][1][r1]));
+      const float al0 = expf(m0 - n0), al1 = expf(m1 - n1);  // 0 at the first block
+      float ps0 = 0.0f, ps1 = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int col = 32 * wg + 8 * i + cq;
+        const float p0 = expf(sc[4 * i] - n0), p1 = expf(sc[4 * i + 1] - n0);
+        const float p2 = expf(sc[4 * i + 2] - n1), p3 = expf(sc[4 * i + 3] - n1);
+        ps0 += p0 + p1;
+        ps1 += p2 + p3;
+        const int cb = (col & 7) * 2;
+        *reinterpret_cast<uint32_t*>(p_s + r0 * kAtomRow + (((col >> 3) ^ (r0 & 7)) << 4) + cb) = bf16x2(p0, p1);
+        *reinterpret_cast<uint32_t*>(p_s + r1 * kAtomRow + (((col >> 3) ^ (r1 & 7)) << 4) + cb) = bf16x2(p2, p3);
+      }
+#pragma unroll
+      for (int o = 1; o <= 2; o <<= 1) {
+        ps0 += __shfl_xor_sync(0xffffffffu, ps0, o);
+        ps1 += __shfl_xor_sync(0xffffffffu, ps1, o);
+      }
+      if ((lane & 3) == 0) {
+        sm.red[1][wg][r0] = ps0;
+        sm.red[1][wg][r1] = ps1;
+      }
+      fence_proxy_async();  // P visible to wgmma, after the barrier everyone's
+      __syncthreads();
+      z0 = z0 * al0 + (sm.red[1][0][r0] + sm.red[1][1][r0]);
+      z1 = z1 * al1 + (sm.red[1][0][r1] + sm.red[1][1][r1]);
+      m0 = n0;
+      m1 = n1;
+      if (__any_sync(0xffffffffu, al0 != 1.0f || al1 != 1.0f)) {  // (a factor of 1 leaves acc as it is)
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+          acc[4 * i] *= al0;
+          acc[4 * i + 1] *= al0;
+          acc[4 * i + 2] *= al1;
+          acc[4 * i + 3] *= al1;
+        }
+      }
+      fence_acc(acc);  // the rescaled values in their registers before the fence
+      // acc += P V for this warpgroup's 256 columns: 4 k-steps of 16 slots (two 8-slot atom rows each, 1024 bytes
+      // apart), the 4 column segments 8 KB apart
+      const uint64_t dv = dev::desc_sw128_ex(ta + 4 * wg * kSegBytes, kSegBytes, 1024);
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < kAttnBlock / 16; ++k) wgmma_m64n256k16_bf16_tb(acc, dp + 2 * k, dv + 128 * k);
+      wgmma_commit();
+      wgmma_wait0();
+      fence_acc(acc);
+    }
+    vj = vn;
+  }
+  cp_async_wait<0>();
+
+  // o = acc / (Z + e^(sink - m)), rounded once, RoPE dims rotated back
+  const float base0 = m0 == kNegInf ? 0.0f : m0, base1 = m1 == kNegInf ? 0.0f : m1;  // no valid slot: o = 0
+  const float zt0 = z0 + expf(a.sink[h0 + r0] - base0), zt1 = z1 + expf(a.sink[h0 + r1] - base1);
+  __nv_bfloat16* o0 = a.o + b * a.so_b + s * a.so_s + static_cast<long long>(h0 + r0) * a.so_h;
+  __nv_bfloat16* o1 = a.o + b * a.so_b + s * a.so_s + static_cast<long long>(h0 + r1) * a.so_h;
+  const int rope0 = kAttnD - 2 * a.rd2;
+#pragma unroll
+  for (int j = 0; j < 32; ++j) {
+    const int col = 256 * wg + 8 * j + cq;
+    float v[4] = {bf16_round(__fdiv_rn(acc[4 * j], zt0)), bf16_round(__fdiv_rn(acc[4 * j + 1], zt0)),
+                  bf16_round(__fdiv_rn(acc[4 * j + 2], zt1)), bf16_round(__fdiv_rn(acc[4 * j + 3], zt1))};
+    if (col >= rope0) {  // a RoPE pair per row (rope_ref's inverse: fp32 products and sums, unfused)
+      const int i = (col - rope0) >> 1;
+      const float c = a.cos[s * a.rd2 + i], sn = -a.sin[s * a.rd2 + i];  // the conjugate
+#pragma unroll
+      for (int p = 0; p < 2; ++p) {
+        const float x0 = v[2 * p], x1 = v[2 * p + 1];
+        v[2 * p] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, sn));
+        v[2 * p + 1] = __fadd_rn(__fmul_rn(x0, sn), __fmul_rn(x1, c));
+      }
+    }
+    *reinterpret_cast<uint32_t*>(o0 + col) = bf16x2(v[0], v[1]);
+    *reinterpret_cast<uint32_t*>(o1 + col) = bf16x2(v[2], v[3]);
+  }
+}
+
 }  // namespace
 
 int sparse_attn_decode_cluster(int slots, int queries, int head_groups, bool packed, int max_cluster) {
@@ -909,6 +1254,17 @@ int sparse_attn_decode_smem(int slots) {
     using K = decltype(cfg);
     return smem_bytes<K::C, K::NBL>();
   });
+}
+
+int sparse_attn_prefill_smem() { return kPfSmem; }
+
+cudaError_t sparse_attn_prefill_launch(const AttnArgs& a, int queries, int head_groups, bool pdl, cudaStream_t stream) {
+  const int L = a.Lw + a.Lc;
+  if (L < 1 || L > kAttnLongMaxSlots || queries < 1 || queries > 65535 || head_groups < 1) return cudaErrorInvalidValue;
+  auto kernel = a.packed ? sparse_attn_prefill_kernel<true> : sparse_attn_prefill_kernel<false>;
+  const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kPfSmem);
+  if (e != cudaSuccess) return e;
+  return launch_pdl(kernel, dim3(head_groups, queries), dim3(kPfThreads), kPfSmem, pdl, stream, a);
 }
 
 }  // namespace dsv4

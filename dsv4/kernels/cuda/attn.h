@@ -1,4 +1,4 @@
-// Sparse MQA attention with a sink for decode (1-8 queries), one launch: see attn.cu.
+// Sparse MQA attention with a sink: decode (1-8 queries) in one launch, prefill chunks: see attn.cu.
 #pragma once
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
@@ -36,7 +36,7 @@ struct AttnArgs {
 };
 
 constexpr int kAttnD = 512;         // K = V width
-constexpr int kAttnHeads = 16;      // query heads per CTA
+constexpr int kAttnHeads = 16;      // query heads per CTA of the decode kernel
 constexpr int kAttnBlock = 64;      // slots per online-softmax step
 constexpr int kAttnMaxCluster = 8;  // CTAs per (query, head group): the list's blocks are spread over them
 constexpr int kAttnMaxBlocksPerCta = 3;  // a CTA keeps the K = V rows of its blocks in shared memory
@@ -44,6 +44,7 @@ constexpr int kAttnMaxSlots = kAttnBlock * kAttnMaxCluster * kAttnMaxBlocksPerCt
 constexpr int kAttnLongMaxBps = 16;         // longer lists: three launches over splits of at most 16 blocks
 constexpr int kAttnLongMaxSplits = 256;     // and at most 256 splits per (query, head group)
 constexpr int kAttnLongMaxSlots = kAttnBlock * kAttnLongMaxBps * kAttnLongMaxSplits;  // 262144 (an HCA list at 32M tokens)
+constexpr int kAttnPrefillHeads = 64;  // query heads per CTA of the prefill kernel (wgmma's M)
 constexpr int kAttnNope = 448;                  // packed rows: e4m3 codes of the first 448 dims,
 constexpr int kAttnPackedBytes = 592;           // then 64 bf16 RoPE dims, 7 scale bytes, padding
 
@@ -62,5 +63,11 @@ cudaError_t sparse_attn_decode_launch(const AttnArgs& a, int queries, int head_g
 int sparse_attn_decode_cluster(int slots, int queries, int head_groups, bool packed, int max_cluster);
 // dynamic shared memory of one CTA for a list of `slots` (the launch's config), -1 outside 1..kAttnLongMaxSlots
 int sparse_attn_decode_smem(int slots);
+
+// prefill chunks (any number of queries, H a multiple of 64): one CTA per (query, 64 heads) walking its list's blocks
+// in order with wgmma; grid (H / 64, B * S); 1 <= Lw + Lc <= kAttnLongMaxSlots, up to 65535 queries
+cudaError_t sparse_attn_prefill_launch(const AttnArgs& a, int queries, int head_groups, bool pdl, cudaStream_t stream);
+// its dynamic shared memory per CTA (any list length)
+int sparse_attn_prefill_smem();
 
 }  // namespace dsv4

@@ -468,23 +468,20 @@ void mhc_boundary(const c10::optional<at::Tensor>& f, const at::Tensor& x, const
   DSV4_CHECK(e == cudaSuccess, "mhc_boundary launch failed: %s", cudaGetErrorString(e));
 }
 
-// sparse MQA attention with a sink, decode (attn.cu): o [B, S, H, 512] from q, the window rows + list and the
-// compressed rows + list (both or neither)
-void sparse_attn_decode(const at::Tensor& q, const at::Tensor& kv_win, const at::Tensor& idx_win,
-                        const c10::optional<at::Tensor>& kv_comp, const c10::optional<at::Tensor>& idx_comp,
-                        const at::Tensor& sink, at::Tensor& o, double scale, bool pdl,
-                        const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin,
-                        int64_t max_cluster) {
-  const int64_t D = dsv4::kAttnD, HG = dsv4::kAttnHeads;
-  DSV4_CHECK(max_cluster == 8 || max_cluster == 16, "sparse_attn_decode: max_cluster must be 8 or 16 (got %lld)",
-             LL(max_cluster));
-  TORCH_CHECK(q.is_cuda() && q.scalar_type() == at::kBFloat16 && q.dim() == 4, "sparse_attn_decode: q must be CUDA bf16 [B, S, H, D]");
+// the checks and kernel arguments shared by sparse_attn_decode and sparse_attn_prefill (`fn` names the caller in the
+// messages; H must be a multiple of `heads`, the heads of one CTA)
+dsv4::AttnArgs attn_args(const char* fn, int64_t heads, const at::Tensor& q, const at::Tensor& kv_win,
+                         const at::Tensor& idx_win, const c10::optional<at::Tensor>& kv_comp,
+                         const c10::optional<at::Tensor>& idx_comp, const at::Tensor& sink, at::Tensor& o, double scale,
+                         const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin) {
+  const int64_t D = dsv4::kAttnD, HG = heads;
+  DSV4_CHECK(q.is_cuda() && q.scalar_type() == at::kBFloat16 && q.dim() == 4, "%s: q must be CUDA bf16 [B, S, H, D]", fn);
   const int64_t B = q.size(0), S = q.size(1), H = q.size(2);
   DSV4_CHECK(q.size(3) == D && H % HG == 0 && H >= HG && q.stride(3) == 1,
-             "sparse_attn_decode: q must be [B, S, H, %lld] with H a multiple of %lld and unit column stride (got H = %lld, D = %lld)",
-             LL(D), LL(HG), LL(H), LL(q.size(3)));
-  DSV4_CHECK(B * S >= 1 && B * S <= 65535, "sparse_attn_decode: 1 to 65535 queries (got %lld)", LL(B * S));
-  TORCH_CHECK(kv_comp.has_value() == idx_comp.has_value(), "sparse_attn_decode: kv_comp and idx_comp come together");
+             "%s: q must be [B, S, H, %lld] with H a multiple of %lld and unit column stride (got H = %lld, D = %lld)",
+             fn, LL(D), LL(HG), LL(H), LL(q.size(3)));
+  DSV4_CHECK(B * S >= 1 && B * S <= 65535, "%s: 1 to 65535 queries (got %lld)", fn, LL(B * S));
+  DSV4_CHECK(kv_comp.has_value() == idx_comp.has_value(), "%s: kv_comp and idx_comp come together", fn);
   // bf16 rows of 512, or packed FP8 rows (uint8, kAttnPackedBytes), both parts alike, 16-byte aligned
   const bool packed = kv_win.scalar_type() == at::kByte;
   const int64_t row_len = packed ? dsv4::kAttnPackedBytes : D;
@@ -498,28 +495,28 @@ void sparse_attn_decode(const at::Tensor& q, const at::Tensor& kv_win, const at:
     return t.is_cuda() && t.device() == q.device() && t.scalar_type() == at::kInt && t.dim() == 3 && t.size(0) == B &&
            t.size(1) == S;
   };
-  TORCH_CHECK(rows_ok(kv_win), "sparse_attn_decode: kv_win must be bf16 [B, N, 512] (or packed uint8 [B, N, 592]) on q's "
-              "device with 16-byte aligned rows");
-  TORCH_CHECK(list_ok(idx_win), "sparse_attn_decode: idx_win must be int32 [B, S, Lw]");
+  DSV4_CHECK(rows_ok(kv_win), "%s: kv_win must be bf16 [B, N, 512] (or packed uint8 [B, N, 592]) on q's device with "
+             "16-byte aligned rows", fn);
+  DSV4_CHECK(list_ok(idx_win), "%s: idx_win must be int32 [B, S, Lw]", fn);
   const int64_t Lw = idx_win.size(2);
   int64_t Lc = 0;
   if (kv_comp.has_value()) {
-    TORCH_CHECK(rows_ok(*kv_comp), "sparse_attn_decode: kv_comp must be rows of kv_win's kind, [B, N, 512] bf16 or [B, N, 592] "
-                "uint8, on q's device with 16-byte aligned rows");
-    TORCH_CHECK(list_ok(*idx_comp), "sparse_attn_decode: idx_comp must be int32 [B, S, Lc]");
+    DSV4_CHECK(rows_ok(*kv_comp), "%s: kv_comp must be rows of kv_win's kind, [B, N, 512] bf16 or [B, N, 592] uint8, on "
+               "q's device with 16-byte aligned rows", fn);
+    DSV4_CHECK(list_ok(*idx_comp), "%s: idx_comp must be int32 [B, S, Lc]", fn);
     Lc = idx_comp->size(2);
   }
-  DSV4_CHECK(Lw + Lc >= 1 && Lw + Lc <= dsv4::kAttnLongMaxSlots, "sparse_attn_decode: lists of 1 to %d slots (got %lld)",
+  DSV4_CHECK(Lw + Lc >= 1 && Lw + Lc <= dsv4::kAttnLongMaxSlots, "%s: lists of 1 to %d slots (got %lld)", fn,
              dsv4::kAttnLongMaxSlots, LL(Lw + Lc));
-  TORCH_CHECK(sink.is_cuda() && sink.device() == q.device() && sink.scalar_type() == at::kFloat && sink.is_contiguous() &&
-              sink.numel() == H, "sparse_attn_decode: sink must be fp32 [H]");
-  TORCH_CHECK(o.is_cuda() && o.device() == q.device() && o.scalar_type() == at::kBFloat16 && o.dim() == 4 && o.size(0) == B &&
-              o.size(1) == S && o.size(2) == H && o.size(3) == D && o.stride(3) == 1 && o.stride(2) % 4 == 0 &&
-              o.stride(1) % 4 == 0 && o.stride(0) % 4 == 0 && reinterpret_cast<uintptr_t>(o.data_ptr()) % 8 == 0,
-              "sparse_attn_decode: o must be bf16 [B, S, H, 512], 8-byte aligned rows");
-  TORCH_CHECK(q.stride(2) % 8 == 0 && reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0 && q.stride(0) % 8 == 0 &&
-              q.stride(1) % 8 == 0, "sparse_attn_decode: q rows must be 16-byte aligned");
-  TORCH_CHECK(cos.has_value() == sin.has_value(), "sparse_attn_decode: cos and sin come together");
+  DSV4_CHECK(sink.is_cuda() && sink.device() == q.device() && sink.scalar_type() == at::kFloat && sink.is_contiguous() &&
+             sink.numel() == H, "%s: sink must be fp32 [H]", fn);
+  DSV4_CHECK(o.is_cuda() && o.device() == q.device() && o.scalar_type() == at::kBFloat16 && o.dim() == 4 && o.size(0) == B &&
+             o.size(1) == S && o.size(2) == H && o.size(3) == D && o.stride(3) == 1 && o.stride(2) % 4 == 0 &&
+             o.stride(1) % 4 == 0 && o.stride(0) % 4 == 0 && reinterpret_cast<uintptr_t>(o.data_ptr()) % 8 == 0,
+             "%s: o must be bf16 [B, S, H, 512], 8-byte aligned rows", fn);
+  DSV4_CHECK(q.stride(2) % 8 == 0 && reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0 && q.stride(0) % 8 == 0 &&
+             q.stride(1) % 8 == 0, "%s: q rows must be 16-byte aligned", fn);
+  DSV4_CHECK(cos.has_value() == sin.has_value(), "%s: cos and sin come together", fn);
   int64_t rd2 = 0;
   if (cos.has_value()) {
     rd2 = cos->dim() == 2 ? cos->size(1) : 0;
@@ -528,8 +525,8 @@ void sparse_attn_decode(const at::Tensor& q, const at::Tensor& kv_win, const at:
              t.dim() == 2 && t.size(0) == S && t.size(1) == rd2;
     };
     DSV4_CHECK(table_ok(*cos) && table_ok(*sin) && rd2 >= 2 && rd2 % 2 == 0 && 2 * rd2 <= D,
-               "sparse_attn_decode: cos and sin must be contiguous fp32 [S = %lld, rd2] on q's device, rd2 even and "
-               "2 * rd2 <= %lld", LL(S), LL(D));
+               "%s: cos and sin must be contiguous fp32 [S = %lld, rd2] on q's device, rd2 even and 2 * rd2 <= %lld", fn,
+               LL(S), LL(D));
   }
   dsv4::AttnArgs a{};
   if (rd2 > 0) {
@@ -541,7 +538,6 @@ void sparse_attn_decode(const at::Tensor& q, const at::Tensor& kv_win, const at:
   a.kw = reinterpret_cast<const unsigned char*>(kv_win.data_ptr());
   a.kc = kv_comp.has_value() ? reinterpret_cast<const unsigned char*>(kv_comp->data_ptr()) : a.kw;
   a.packed = packed ? 1 : 0;
-  a.wide = max_cluster == 16 ? 1 : 0;
   a.iw = idx_win.data_ptr<int>();
   a.ic = idx_comp.has_value() ? idx_comp->data_ptr<int>() : a.iw;
   a.sink = sink.data_ptr<float>();
@@ -558,13 +554,29 @@ void sparse_attn_decode(const at::Tensor& q, const at::Tensor& kv_win, const at:
   a.Lw = static_cast<int>(Lw);
   a.Lc = static_cast<int>(Lc);
   a.scale = static_cast<float>(scale);
+  return a;
+}
+
+// sparse MQA attention with a sink, decode (attn.cu): o [B, S, H, 512] from q, the window rows + list and the
+// compressed rows + list (both or neither)
+void sparse_attn_decode(const at::Tensor& q, const at::Tensor& kv_win, const at::Tensor& idx_win,
+                        const c10::optional<at::Tensor>& kv_comp, const c10::optional<at::Tensor>& idx_comp,
+                        const at::Tensor& sink, at::Tensor& o, double scale, bool pdl,
+                        const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin,
+                        int64_t max_cluster) {
+  const int64_t D = dsv4::kAttnD, HG = dsv4::kAttnHeads;
+  DSV4_CHECK(max_cluster == 8 || max_cluster == 16, "sparse_attn_decode: max_cluster must be 8 or 16 (got %lld)",
+             LL(max_cluster));
+  dsv4::AttnArgs a = attn_args("sparse_attn_decode", HG, q, kv_win, idx_win, kv_comp, idx_comp, sink, o, scale, cos, sin);
+  a.wide = max_cluster == 16 ? 1 : 0;
+  const int64_t B = q.size(0), S = q.size(1), H = q.size(2), L = a.Lw + a.Lc;
   const c10::cuda::CUDAGuard guard(q.device());
   at::Tensor scratch;
-  if (Lw + Lc > dsv4::kAttnMaxSlots) {  // the long lists' splits and their fp32 scratch (allocated on the stream)
+  if (L > dsv4::kAttnMaxSlots) {  // the long lists' splits and their fp32 scratch (allocated on the stream)
     int sms = 0;
     DSV4_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, q.get_device()) == cudaSuccess,
                "sparse_attn_decode: no SM count for device %d", static_cast<int>(q.get_device()));
-    const dsv4::AttnLongPlan p = dsv4::sparse_attn_long_plan(static_cast<int>(Lw + Lc), static_cast<int>(B * S),
+    const dsv4::AttnLongPlan p = dsv4::sparse_attn_long_plan(static_cast<int>(L), static_cast<int>(B * S),
                                                              static_cast<int>(H / HG), sms);
     const int64_t qh = B * S * (H / HG);
     const int64_t nb = qh * p.nblk * HG, np = qh * p.nsplit * HG;
@@ -581,6 +593,22 @@ void sparse_attn_decode(const at::Tensor& q, const at::Tensor& kv_win, const at:
   const cudaError_t e = dsv4::sparse_attn_decode_launch(a, static_cast<int>(B * S), static_cast<int>(H / HG), pdl,
                                                         c10::cuda::getCurrentCUDAStream().stream());
   DSV4_CHECK(e == cudaSuccess, "sparse_attn_decode launch failed: %s", cudaGetErrorString(e));
+}
+
+// sparse MQA attention with a sink, prefill chunks (attn.cu): sparse_attn_decode's contract for any number of queries
+// and H a multiple of 64, one CTA per (query, 64 heads)
+void sparse_attn_prefill(const at::Tensor& q, const at::Tensor& kv_win, const at::Tensor& idx_win,
+                         const c10::optional<at::Tensor>& kv_comp, const c10::optional<at::Tensor>& idx_comp,
+                         const at::Tensor& sink, at::Tensor& o, double scale, bool pdl,
+                         const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin) {
+  const int64_t HG = dsv4::kAttnPrefillHeads;
+  const dsv4::AttnArgs a =
+      attn_args("sparse_attn_prefill", HG, q, kv_win, idx_win, kv_comp, idx_comp, sink, o, scale, cos, sin);
+  const c10::cuda::CUDAGuard guard(q.device());
+  const cudaError_t e = dsv4::sparse_attn_prefill_launch(a, static_cast<int>(q.size(0) * q.size(1)),
+                                                         static_cast<int>(q.size(2) / HG), pdl,
+                                                         c10::cuda::getCurrentCUDAStream().stream());
+  DSV4_CHECK(e == cudaSuccess, "sparse_attn_prefill launch failed: %s", cudaGetErrorString(e));
 }
 
 // top-k entry indices per query row (topk.cu): o [B, S, K] int32 from scores [B, S, N] and n_visible [S]
@@ -699,6 +727,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sparse_attn_decode_cluster", &dsv4::sparse_attn_decode_cluster,
         "CTAs per cluster of sparse_attn_decode for (slots, queries, head groups, packed, max_cluster); 0: split path");
   m.def("sparse_attn_decode", &sparse_attn_decode, "sparse MQA attention with a sink, 1-8 queries (attn.cu)");
+  m.def("sparse_attn_prefill", &sparse_attn_prefill,
+        "sparse MQA attention with a sink, prefill chunks: one CTA per (query, 64 heads), wgmma (attn.cu)");
+  m.def("sparse_attn_prefill_smem", &dsv4::sparse_attn_prefill_smem, "dynamic shared memory of one sparse_attn_prefill CTA");
   m.def("topk_select", &topk_select, "top-k entry indices per query row, ties to the lower entry (topk.cu)");
   m.def("topk_select_cluster", &dsv4::topk_select_cluster, "CTAs per row of topk_select for (N entries, rows)");
   m.def("moe_decode", &moe_decode, "decode MoE experts of one token: MXFP4 routed + FP8 shared (moe.cu)");

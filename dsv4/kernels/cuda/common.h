@@ -151,6 +151,38 @@ __device__ __forceinline__ uint32_t e4m3x2_code(float a, float b, float inv) {
   return static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(make_float2(a * inv, b * inv), __NV_SATFINITE, __NV_E4M3));
 }
 
+// ---- wgmma (sm_90a): shared-memory matrix descriptors, fences, groups ----
+
+// a descriptor of a 128-byte-swizzled operand (swizzle atoms: 8 rows of 128 bytes, 16-byte chunk c of row i at chunk
+// c ^ (i & 7), 1024-byte aligned) at shared address saddr, with leading / stride byte offsets lbo / sbo
+__device__ __forceinline__ uint64_t desc_sw128_ex(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
+  return static_cast<uint64_t>((saddr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
+         (static_cast<uint64_t>(sbo >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
+}
+
+// K-major operand: rows of 128 bytes, 8-row atoms 1024 bytes apart (stride byte offset), the leading byte offset
+// unused; a k-step inside the atom advances the start address by its bytes (32 for k16 bf16 or k32 e4m3)
+__device__ __forceinline__ uint64_t desc_sw128(uint32_t saddr) { return desc_sw128_ex(saddr, 16, 1024); }
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
+
+// this thread's generic-proxy writes to shared memory (st.shared, cp.async) made visible to the async proxy (wgmma
+// operands); a barrier after it covers the other threads'
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// keeps the compiler from reading an accumulator before wgmma.wait_group has returned
+template <int N>
+__device__ __forceinline__ void fence_acc(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+#define DSV4_ACC8(i) \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+
 }  // namespace dev
 
 // kernel<<<grid, block, smem, stream>>>(args...) through cudaLaunchKernelEx: as a programmatic dependent launch when

@@ -35,8 +35,14 @@
 namespace dsv4 {
 namespace {
 
+using dev::desc_sw128;
+using dev::fence_acc;
 using dev::griddep_launch_dependents;
 using dev::griddep_wait;
+using dev::wgmma_commit;
+using dev::wgmma_fence;
+using dev::wgmma_wait0;
+using dev::wgmma_wait1;
 
 constexpr int kTile = 128;                     // BM = BK (and the weights' 128 x 128 scale blocks)
 constexpr int kConsumers = 2;                  // warpgroups of 64 rows
@@ -133,21 +139,6 @@ __device__ __forceinline__ void tma_prefetch_map(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
 
-// K-major operand with 128-byte swizzle: rows of 128 bytes, 8-row atoms 1024 bytes apart (stride byte offset), the
-// leading byte offset unused; a k32 step inside the atom advances the start address by 32 bytes.
-__device__ __forceinline__ uint64_t desc_sw128(uint32_t saddr) {
-  return static_cast<uint64_t>((saddr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(1) << 16) |
-         (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
-
-#define DSV4_ACC8(i) \
-  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
-
 // d[64] (+)= A[64 x k32] * B[128 x k32]^T, e4m3 from shared memory, fp32 accumulators (d = A B when !accumulate).
 // Thread t of the warpgroup holds rows 16 (t / 32) + (t % 32) / 4 + {0, 8}: d[4j + {0, 1}] at columns
 // 8j + 2 (t % 4) + {0, 1} of the first row, d[4j + {2, 3}] of the second.
@@ -182,14 +173,6 @@ __device__ __forceinline__ void wgmma_e4m3(float (&d)[64], uint64_t da, uint64_t
 }
 __device__ __forceinline__ void wgmma_e4m3(float (&d)[32], uint64_t da, uint64_t db, int accumulate) {
   wgmma_m64n64k32_e4m3(d, da, db, accumulate);
-}
-#undef DSV4_ACC8
-
-// keeps the compiler from reading an accumulator before wgmma.wait_group has returned
-template <int N>
-__device__ __forceinline__ void fence_acc(float (&d)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
 // ---- activation quantization: one warp per (row, 128-block), 4 values per lane ----
