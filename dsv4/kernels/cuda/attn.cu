@@ -339,6 +339,15 @@ __device__ __forceinline__ void walk_block(float s0, float s1, const float (&sc)
   __syncthreads();
 }
 
+// RoPE pair i of query s rotated back to its position (rope_ref's inverse: the conjugate angle, fp32 products and
+// sums, unfused), in place
+__device__ __forceinline__ void rope_back(const AttnArgs& a, long long s, int i, float& x0, float& x1) {
+  const float c = a.cos[s * a.rd2 + i], sn = -a.sin[s * a.rd2 + i];
+  const float y0 = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, sn));
+  x1 = __fadd_rn(__fmul_rn(x0, sn), __fmul_rn(x1, c));
+  x0 = y0;
+}
+
 // o of one head at columns d .. d + 3 from its combined partial v and Z: v / Z (IEEE division) rounded to bf16 once;
 // in the last 2 rd2 dims the RoPE pairs rotated back to query s's position (rope_ref's inverse: fp32 products and
 // sums, unfused), rounded again
@@ -348,13 +357,8 @@ __device__ __forceinline__ void store_out4(const AttnArgs& a, __nv_bfloat16* oro
                 bf16_round(__fdiv_rn(v.w, z))};
   if (d >= kAttnD - 2 * a.rd2) {  // two RoPE pairs (rd2 even: a float4 never straddles the boundary)
     const int i = (d - (kAttnD - 2 * a.rd2)) >> 1;
-#pragma unroll
-    for (int p = 0; p < 2; ++p) {
-      const float c = a.cos[s * a.rd2 + i + p], sn = -a.sin[s * a.rd2 + i + p];  // the conjugate
-      const float x0 = r[2 * p], x1 = r[2 * p + 1];
-      r[2 * p] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, sn));
-      r[2 * p + 1] = __fadd_rn(__fmul_rn(x0, sn), __fmul_rn(x1, c));
-    }
+    rope_back(a, s, i, r[0], r[1]);
+    rope_back(a, s, i + 1, r[2], r[3]);
   }
   uint2 out;
   out.x = bf16x2(r[0], r[1]);
@@ -1188,15 +1192,10 @@ __global__ void __launch_bounds__(kPfThreads, 1) sparse_attn_prefill_kernel(cons
     const int col = 256 * wg + 8 * j + cq;
     float v[4] = {bf16_round(__fdiv_rn(acc[4 * j], zt0)), bf16_round(__fdiv_rn(acc[4 * j + 1], zt0)),
                   bf16_round(__fdiv_rn(acc[4 * j + 2], zt1)), bf16_round(__fdiv_rn(acc[4 * j + 3], zt1))};
-    if (col >= rope0) {  // a RoPE pair per row (rope_ref's inverse: fp32 products and sums, unfused)
+    if (col >= rope0) {  // one RoPE pair in each of the two rows
       const int i = (col - rope0) >> 1;
-      const float c = a.cos[s * a.rd2 + i], sn = -a.sin[s * a.rd2 + i];  // the conjugate
-#pragma unroll
-      for (int p = 0; p < 2; ++p) {
-        const float x0 = v[2 * p], x1 = v[2 * p + 1];
-        v[2 * p] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, sn));
-        v[2 * p + 1] = __fadd_rn(__fmul_rn(x0, sn), __fmul_rn(x1, c));
-      }
+      rope_back(a, s, i, v[0], v[1]);
+      rope_back(a, s, i, v[2], v[3]);
     }
     *reinterpret_cast<uint32_t*>(o0 + col) = bf16x2(v[0], v[1]);
     *reinterpret_cast<uint32_t*>(o1 + col) = bf16x2(v[2], v[3]);
