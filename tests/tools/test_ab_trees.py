@@ -1,0 +1,112 @@
+"""tools/ab_trees.py: variant trees (a checkout's tracked files with a patch), the summary table, the CLI's refusals."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("ab_trees", ROOT / "tools" / "ab_trees.py")
+ab = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(ab)
+
+
+def _git(cwd, *args):
+    subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True)
+
+
+@pytest.fixture
+def repo(tmp_path):
+    src = tmp_path / "src"
+    (src / "pkg").mkdir(parents=True)
+    (src / "pkg" / "k.cu").write_text("constexpr int kRows = 2;\nint f() { return kRows; }\n")
+    (src / "README").write_text("hello\n")
+    _git(src, "init", "-q")
+    _git(src, "add", ".")
+    _git(src, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init")
+    return src
+
+
+def _patch(src: Path, path: Path, old: str, new: str) -> Path:
+    """A patch of src's k.cu replacing old with new (made with git diff, the working tree restored)."""
+    f = src / "pkg" / "k.cu"
+    text = f.read_text()
+    f.write_text(text.replace(old, new))
+    diff = subprocess.run(["git", "diff"], cwd=src, check=True, capture_output=True, text=True).stdout
+    f.write_text(text)
+    path.write_text(diff)
+    return path
+
+
+def test_make_tree_copies_tracked_files_and_applies_the_patch(repo, tmp_path):
+    patch = _patch(repo, tmp_path / "rows4.patch", "kRows = 2", "kRows = 4")
+    (repo / "untracked.txt").write_text("not copied\n")
+    (repo / "README").write_text("hello, edited\n")  # the working tree's contents are what is copied
+    dest = tmp_path / "trees" / "rows4"
+    ab.make_tree(repo, dest, patch)
+    assert (dest / "pkg" / "k.cu").read_text().startswith("constexpr int kRows = 4;")
+    assert (dest / "README").read_text() == "hello, edited\n"
+    assert not (dest / "untracked.txt").exists()
+    assert (repo / "pkg" / "k.cu").read_text().startswith("constexpr int kRows = 2;")  # the source is untouched
+    ab.make_tree(repo, dest, None)  # made again, from scratch: the unpatched copy
+    assert (dest / "pkg" / "k.cu").read_text().startswith("constexpr int kRows = 2;")
+
+
+def test_make_tree_refuses_a_patch_that_does_not_apply(repo, tmp_path):
+    patch = _patch(repo, tmp_path / "p.patch", "kRows = 2", "kRows = 4")
+    (repo / "pkg" / "k.cu").write_text("constexpr int kRows = 8;\nint f() { return kRows; }\n")
+    with pytest.raises(RuntimeError, match="p.patch does not apply"):
+        ab.make_tree(repo, tmp_path / "trees" / "p", patch)
+
+
+def test_parse_variant(tmp_path):
+    p = tmp_path / "x.patch"
+    p.write_text("")
+    assert ab.parse_variant(f"rows4={p}") == ("rows4", p)
+    for bad, msg in ((f"rows4{p}", "NAME=PATCH"), (f"head={p}", "'head' is this checkout"),
+                     ("r4=/no/such.patch", "no patch file"), (f"a b={p}", "NAME=PATCH")):
+        with pytest.raises(ValueError, match=msg):
+            ab.parse_variant(bad)
+
+
+def test_summary_sums_rounds_and_names_the_bits():
+    def run(us, diff):
+        return {"1024": {"us1": us, "us2": [u - 1 for u in us], "diff": diff}}
+
+    results = {"head": [run([100.0, 110.0], 0.0), run([101.0, 111.0], 0.0)],
+               "same": [run([99.0, 109.0], 0.0)],
+               "other": [run([98.0, 108.0], 0.0), run([98.5, 108.5], 0.25)]}
+    lines, summary = ab.summarize(results, ["head", "same", "other"])
+    assert summary["1024/head"]["sum_ctx1"] == [210.0, 212.0] and summary["1024/head"]["sum_ctx2"] == [208.0, 210.0]
+    assert summary["1024/same"]["same_bits"] is True and summary["1024/other"]["same_bits"] is False
+    text = "\n".join(lines)
+    assert "context 1024" in text and "100.0 / 110.0 (210.0) | 99.0 / 109.0 (208.0)" in text
+    assert "[same bits]" in text and "[logits differ, max 0.25]" in text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a CUDA device")
+def test_cli_without_cuda_exits_2_with_one_line(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "ab_trees.py")], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.strip() == "error: ab_trees needs a CUDA device"
+
+
+def test_cli_refuses_bad_arguments(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "ab_trees.py"), "--variant", "nothing"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.strip().startswith("error: --variant wants NAME=PATCH")
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "ab_trees.py"), "--contexts", "1"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "--contexts must be >= 2" in r.stderr
+
+
+def test_outside_git_every_file_but_caches(repo, tmp_path):
+    plain = tmp_path / "plain"
+    subprocess.run(["cp", "-r", str(repo), str(plain)], check=True)
+    subprocess.run(["rm", "-rf", str(plain / ".git")], check=True)
+    (plain / "__pycache__").mkdir()
+    (plain / "__pycache__" / "x.pyc").write_text("")
+    (plain / "notes.txt").write_text("kept\n")
+    assert ab.tracked_files(plain) == ["README", "notes.txt", "pkg/k.cu"]

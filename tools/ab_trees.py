@@ -1,0 +1,240 @@
+#!/usr/bin/env python3
+"""Timing A/B of source variants inside the decode layer graphs: the yardstick of a kernel change, kept in the tree.
+
+    python tools/ab_trees.py --variant rows4=rows4.patch --variant c1n2=c1n2.patch \\
+        [--contexts 1024,131072] [--rounds 2] [--layers 4] [--replays 100] [--workdir DIR] [--json F]
+
+Variant "head" (this checkout as it is) always runs first; each --variant NAME=PATCH is a copy of this checkout's
+files (`git ls-files`, with their working-tree contents; outside a git checkout every file but caches and
+build outputs) under --workdir with PATCH applied (`git apply`). Each
+copy's CUDA kernels are built first, one copy after another (copies with the same kernel sources share a build in
+the kernel cache). Then the variants run in turn, --rounds times, each in its own process inside its copy
+(this script's `--worker`, importing the copy's dsv4 and tools): the first --layers layers of Flash with random weights (seed 0) on cuda:0, the state filled to each
+context, one decode graph per layer, each timed as `bench_decode.py --layer-us` does (the median of 7 runs of
+--replays back-to-back replays) at ctx-1 (every compressor emits) and ctx-2 (none does), and both steps' logits.
+
+Prints, per context and variant, each round's per-layer us and their sum at ctx-1 / ctx-2, and whether the logits
+equal head's bit for bit (else their largest difference); --json writes the same. A benchmark, not a test: compare
+figures of one call only. Exit 1 when a variant's patch does not apply or its build or run fails; 2 on bad arguments
+or without a CUDA device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+SKIP_DIRS = {".git", "__pycache__", "build", "dist", ".pytest_cache"}
+
+
+def tracked_files(src: Path, exclude: Path | None = None) -> list[str]:
+    """The checkout's files as git knows them (their working-tree contents are what gets copied); outside a git
+    checkout (a copy of one), every file but caches and build outputs (and `exclude`, the copies' directory, if it lies inside)."""
+    r = subprocess.run(["git", "ls-files", "-z"], cwd=src, capture_output=True)
+    if r.returncode == 0:
+        return [f for f in r.stdout.decode().split("\0") if f]
+    files = []
+    for d, dirs, names in os.walk(src):
+        dirs[:] = [x for x in dirs if x not in SKIP_DIRS and not x.endswith(".egg-info")
+                   and (exclude is None or Path(d, x).resolve() != exclude.resolve())]
+        files += [os.path.relpath(os.path.join(d, n), src) for n in names]
+    return sorted(files)
+
+
+def make_tree(src: Path, dest: Path, patch: Path | None) -> None:
+    """dest = src's tracked files (working-tree contents) with `patch` applied (git apply); raises RuntimeError with
+    git's message when the patch does not apply."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    for f in tracked_files(src, exclude=dest.parent):
+        if not (src / f).is_file():  # deleted in the working tree
+            continue
+        (dest / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src / f, dest / f)
+    if patch is not None and patch.stat().st_size:
+        r = subprocess.run(["git", "apply", "--whitespace=nowarn", str(patch.resolve())], cwd=dest,
+                           capture_output=True, text=True)
+        if r.returncode:
+            raise RuntimeError(f"{patch} does not apply: {r.stderr.strip().splitlines()[0] if r.stderr else 'git apply failed'}")
+
+
+def parse_variant(spec: str) -> tuple[str, Path]:
+    name, sep, patch = spec.partition("=")
+    if not sep or not name or not patch or not name.replace("_", "").replace("-", "").isalnum():
+        raise ValueError(f"--variant wants NAME=PATCH (NAME letters, digits, - or _), got {spec!r}")
+    if name == "head":
+        raise ValueError("--variant: 'head' is this checkout itself, name the variant otherwise")
+    p = Path(patch)
+    if not p.is_file():
+        raise ValueError(f"--variant {name}: no patch file {patch}")
+    return name, p
+
+
+def summarize(results: dict, variants: list[str]) -> tuple[list[str], dict]:
+    """results[variant][round] = {ctx: {"us1": [...], "us2": [...], "diff": float | None}} -> table lines and the
+    per (ctx, variant) summary: each round's sums and whether every round's logits equalled head's."""
+    lines, summary = [], {}
+    ctxs = sorted({int(c) for v in results.values() for r in v for c in r})
+    for ctx in ctxs:
+        lines.append(f"context {ctx}: us per layer at ctx-1 | ctx-2 (sum), each round")
+        for v in variants:
+            rows, sums1, sums2, diffs = [], [], [], []
+            for r in results.get(v, []):
+                got = r.get(str(ctx)) or r.get(ctx)
+                if got is None:
+                    continue
+                sums1.append(sum(got["us1"]))
+                sums2.append(sum(got["us2"]))
+                diffs.append(got["diff"])
+                rows.append(f"{' / '.join(f'{u:.1f}' for u in got['us1'])} ({sums1[-1]:.1f}) | "
+                            f"{' / '.join(f'{u:.1f}' for u in got['us2'])} ({sums2[-1]:.1f})")
+            same = all(d == 0.0 for d in diffs) if diffs else None
+            bits = "head" if v == "head" else ("same bits" if same else
+                                               f"logits differ, max {max(d for d in diffs if d is not None):.3g}")
+            for i, row in enumerate(rows):
+                lines.append(f"  {v if i == 0 else '':>12}  {row}" + (f"  [{bits}]" if i == 0 else ""))
+            summary[f"{ctx}/{v}"] = {"sum_ctx1": sums1, "sum_ctx2": sums2, "same_bits": same}
+    return lines, summary
+
+
+def worker(args) -> int:
+    """One variant's timing, in its own copy (the cwd): prints one JSON line {ctx: {us1, us2}} and saves the logits."""
+    sys.path.insert(0, os.getcwd())
+    sys.path.insert(0, os.path.join(os.getcwd(), "tools"))
+    import torch
+
+    if not torch.cuda.is_available():
+        print("error: ab_trees needs a CUDA device", file=sys.stderr)
+        return 2
+    from bench_decode import fill_state, median_us
+
+    from dsv4 import ops
+    from dsv4.config import ModelConfig
+    from dsv4.graphs import DecodeRunner
+    from dsv4.model.layers import Numerics, set_overlap
+    from dsv4.model.transformer import Transformer
+    from dsv4.testing import randomize_
+    from dsv4.writer import FLASH_CONFIG, truncate_layers
+
+    ctxs = [int(c) for c in args.contexts.split(",")]
+    ops.configure("fast", "cuda", {})
+    set_overlap(True)
+    raw = truncate_layers(FLASH_CONFIG, args.layers)
+    raw["compress_ratios"] = raw["compress_ratios"][: args.layers]
+    raw["num_nextn_predict_layers"] = 0
+    with torch.device("meta"):
+        model = Transformer(ModelConfig.from_dict(raw), Numerics("reference", torch.bfloat16), max_pos=max(ctxs))
+    model.place(["cuda:0"])
+    randomize_(model, seed=0)
+    out = {}
+    for ctx in ctxs:
+        state = model.new_state(ctx)
+        fill_state(state, ctx - 1, seed=ctx)
+        runner = DecodeRunner(model, state, use_graphs=True)
+        us = {}
+        for key, pos in (("us1", ctx - 1), ("us2", ctx - 2)):
+            for _ in range(2):
+                runner.step(1, pos)
+            us[key] = [median_us(runner.layer_fn(i, pos), args.replays, runner.devices[i])
+                       for i in range(len(model.layers))]
+        logits = []
+        for pos in (ctx - 1, ctx - 2):
+            fill_state(state, ctx - 1, seed=ctx)
+            logits.append(runner.step(1, pos).float().cpu())
+        torch.save(logits, f"{args.out}.{ctx}.pt")
+        out[ctx] = us
+        runner = None
+    print(json.dumps(out))
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=PATCH",
+                   help="a variant: this checkout with PATCH applied (repeatable; 'head' always runs)")
+    p.add_argument("--contexts", default="1024", help="comma list of contexts (default: 1024)")
+    p.add_argument("--rounds", type=int, default=2, help="times each variant runs, alternated (default: 2)")
+    p.add_argument("--layers", type=int, default=4, help="first N layers of Flash (default 4: SWA, SWA, CSA, HCA)")
+    p.add_argument("--replays", type=int, default=100, help="back-to-back replays per timing (default: 100)")
+    p.add_argument("--workdir", default=None, help="where the copies go (default: a new temporary directory)")
+    p.add_argument("--json", metavar="F", help="write the results as JSON to F")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    try:
+        ctxs = [int(c) for c in args.contexts.split(",")]
+        if not ctxs or min(ctxs) < 2 or args.rounds < 1 or args.layers < 1 or args.replays < 1:
+            raise ValueError("--contexts must be >= 2 and --rounds / --layers / --replays >= 1")
+        variants = [parse_variant(v) for v in args.variant]
+        if len({n for n, _ in variants}) != len(variants):
+            raise ValueError("--variant: each NAME once")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.worker:
+        return worker(args)
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("error: ab_trees needs a CUDA device", file=sys.stderr)
+        return 2
+    work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="dsv4_ab_"))
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"variant copies in {work}", file=sys.stderr)
+    names = ["head"] + [n for n, _ in variants]
+    trees = {}
+    try:
+        for name, patch in [("head", None)] + variants:
+            trees[name] = work / name
+            make_tree(ROOT, trees[name], patch)
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    for name in names:  # one build at a time: copies with the same kernel sources share a cache entry
+        print(f"building {name} ...", file=sys.stderr, flush=True)
+        r = subprocess.run([sys.executable, "-c", "from dsv4.kernels import cuda; import sys; "
+                            "sys.exit(0 if cuda.load() is not None else 1)"], cwd=trees[name])
+        if r.returncode:
+            print(f"error: variant {name}: its CUDA kernels did not build", file=sys.stderr)
+            return 1
+    results: dict = {n: [] for n in names}
+    for rnd in range(args.rounds):
+        for name in names:
+            out = work / f"{name}.r{rnd}"
+            r = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", "--contexts",
+                                args.contexts, "--layers", str(args.layers), "--replays", str(args.replays), "--out",
+                                str(out)], cwd=trees[name], capture_output=True, text=True)
+            if r.returncode:
+                tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
+                print(f"error: variant {name}, round {rnd + 1}: {tail}", file=sys.stderr)
+                return 1
+            got = json.loads(r.stdout.strip().splitlines()[-1])
+            for ctx in ctxs:
+                mine = torch.load(f"{out}.{ctx}.pt")
+                ref = torch.load(f"{work / 'head.r0'}.{ctx}.pt")
+                got[str(ctx)]["diff"] = max(float((a - b).abs().max()) for a, b in zip(mine, ref))
+            results[name].append(got)
+            print(f"{name} round {rnd + 1}: " + ", ".join(
+                f"{c}: {sum(got[str(c)]['us1']):.1f} / {sum(got[str(c)]['us2']):.1f} us" for c in ctxs),
+                file=sys.stderr, flush=True)
+    lines, summary = summarize(results, names)
+    print("\n".join(lines))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(0), "layers": args.layers,
+                                               "replays": args.replays, "results": results, "summary": summary},
+                                              indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
