@@ -5,13 +5,15 @@
         [--contexts 1024,131072] [--rounds 2] [--layers 4] [--replays 100] [--workdir DIR] [--json F]
 
 Variant "head" (this checkout as it is) always runs first; each --variant NAME=PATCH is a copy of this checkout's
-files (`git ls-files`, with their working-tree contents; outside a git checkout every file but caches and
-build outputs) under --workdir with PATCH applied (`git apply`). Each
-copy's CUDA kernels are built first, one copy after another (copies with the same kernel sources share a build in
-the kernel cache). Then the variants run in turn, --rounds times, each in its own process inside its copy
-(this script's `--worker`, importing the copy's dsv4 and tools): the first --layers layers of Flash with random weights (seed 0) on cuda:0, the state filled to each
-context, one decode graph per layer, each timed as `bench_decode.py --layer-us` does (the median of 7 runs of
---replays back-to-back replays) at ctx-1 (every compressor emits) and ctx-2 (none does), and both steps' logits.
+files (`git ls-files`, with their working-tree contents; where this is not the top of a git checkout, every file but
+hidden folders, caches and build outputs) under --workdir with PATCH applied (`git apply`). A copy carries a marker
+file; an existing folder of a variant's name is replaced only if it has one. Each copy's CUDA kernels are built
+first, one copy after another (copies with the same kernel sources share a build in the kernel cache). Then the
+variants run in turn, --rounds times, each in its own process inside its copy (this script's `--worker`, importing
+the copy's dsv4 and tools): the first --layers layers of Flash with random weights (seed 0) on cuda:0, the state
+filled to each context, one decode graph per layer, each timed as `bench_decode.py --layer-us` does (the median of 7
+runs of --replays back-to-back replays) at ctx-1 and ctx-2 (with a context that is a multiple of 128, every
+compressor emits at ctx-1 and none does at ctx-2), and both steps' logits.
 
 Prints, per context and variant, each round's per-layer us and their sum at ctx-1 / ctx-2, and whether the logits
 equal head's bit for bit (else their largest difference); --json writes the same. A benchmark, not a test: compare
@@ -33,38 +35,58 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-SKIP_DIRS = {".git", "__pycache__", "build", "dist", ".pytest_cache"}
+SKIP_DIRS = {"__pycache__", "build", "dist", "out"}
+MARKER = ".ab_trees"  # in every copy this tool makes: the only folders it deletes
 
 
 def tracked_files(src: Path, exclude: Path | None = None) -> list[str]:
-    """The checkout's files as git knows them (their working-tree contents are what gets copied); outside a git
-    checkout (a copy of one), every file but caches and build outputs (and `exclude`, the copies' directory, if it lies inside)."""
-    r = subprocess.run(["git", "ls-files", "-z"], cwd=src, capture_output=True)
-    if r.returncode == 0:
-        return [f for f in r.stdout.decode().split("\0") if f]
-    files = []
-    for d, dirs, names in os.walk(src):
-        dirs[:] = [x for x in dirs if x not in SKIP_DIRS and not x.endswith(".egg-info")
-                   and (exclude is None or Path(d, x).resolve() != exclude.resolve())]
-        files += [os.path.relpath(os.path.join(d, n), src) for n in names]
-    return sorted(files)
+    """The checkout's files as git knows them (their working-tree contents are what gets copied); where src is not
+    the top of a git checkout (a copy of one), every file but hidden folders, caches and build outputs (and
+    `exclude`, the copies' directory, if it lies inside). RuntimeError when that leaves nothing."""
+    files = None
+    try:
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=src, capture_output=True, text=True)
+        if top.returncode == 0 and Path(top.stdout.strip()).resolve() == src.resolve():
+            out = subprocess.run(["git", "ls-files", "-z"], cwd=src, check=True, capture_output=True).stdout
+            files = [f for f in out.decode().split("\0") if f]
+    except (FileNotFoundError, subprocess.CalledProcessError):  # no git here: the walk below
+        files = None
+    if files is None:
+        files = []
+        for d, dirs, names in os.walk(src):
+            dirs[:] = [x for x in dirs if x not in SKIP_DIRS and not x.startswith(".") and not x.endswith(".egg-info")
+                       and (exclude is None or Path(d, x).resolve() != exclude.resolve())]
+            files += [os.path.relpath(os.path.join(d, n), src) for n in names]
+        files.sort()
+    if not files:
+        raise RuntimeError(f"no files to copy in {src}")
+    return files
 
 
 def make_tree(src: Path, dest: Path, patch: Path | None) -> None:
     """dest = src's tracked files (working-tree contents) with `patch` applied (git apply); raises RuntimeError with
-    git's message when the patch does not apply."""
+    git's message when the patch does not apply, and when dest exists but is not a copy this tool made."""
     if dest.exists():
+        if not (dest / MARKER).is_file():
+            raise RuntimeError(f"{dest} exists and is not a copy made by ab_trees: not touching it")
         shutil.rmtree(dest)
-    for f in tracked_files(src, exclude=dest.parent):
+    files = tracked_files(src, exclude=dest.parent)
+    dest.mkdir(parents=True)
+    (dest / MARKER).write_text("a variant copy made by tools/ab_trees.py\n")
+    for f in files:
         if not (src / f).is_file():  # deleted in the working tree
             continue
         (dest / f).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(src / f, dest / f)
     if patch is not None and patch.stat().st_size:
-        r = subprocess.run(["git", "apply", "--whitespace=nowarn", str(patch.resolve())], cwd=dest,
-                           capture_output=True, text=True)
-        if r.returncode:
-            raise RuntimeError(f"{patch} does not apply: {r.stderr.strip().splitlines()[0] if r.stderr else 'git apply failed'}")
+        # git reads a patch's paths from the top of the work tree it finds dest in, and skips what lies outside dest
+        # without failing: the ceiling keeps it from looking above dest's folder
+        env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(dest.parent.resolve())}
+        r = subprocess.run(["git", "apply", "--verbose", "--whitespace=nowarn", str(patch.resolve())], cwd=dest,
+                           capture_output=True, text=True, env=env)
+        if r.returncode or "Skipped patch" in r.stderr:
+            lines = [ln for ln in r.stderr.strip().splitlines() if ln.startswith(("error", "Skipped"))]
+            raise RuntimeError(f"{patch} does not apply: {lines[0] if lines else 'git apply failed'}")
 
 
 def parse_variant(spec: str) -> tuple[str, Path]:
@@ -80,29 +102,34 @@ def parse_variant(spec: str) -> tuple[str, Path]:
 
 
 def summarize(results: dict, variants: list[str]) -> tuple[list[str], dict]:
-    """results[variant][round] = {ctx: {"us1": [...], "us2": [...], "diff": float | None}} -> table lines and the
-    per (ctx, variant) summary: each round's sums and whether every round's logits equalled head's."""
+    """results[variant][round] = {ctx: {"us1": [...], "us2": [...], "same": bool, "diff": float}} (same: the logits
+    are head's first round's bit for bit; diff: their largest difference) -> table lines and the per (ctx, variant)
+    summary: each round's sums and whether every round's logits were head's bits."""
     lines, summary = [], {}
     ctxs = sorted({int(c) for v in results.values() for r in v for c in r})
     for ctx in ctxs:
         lines.append(f"context {ctx}: us per layer at ctx-1 | ctx-2 (sum), each round")
         for v in variants:
-            rows, sums1, sums2, diffs = [], [], [], []
+            rows, sums1, sums2, same, diffs = [], [], [], [], []
             for r in results.get(v, []):
                 got = r.get(str(ctx)) or r.get(ctx)
                 if got is None:
                     continue
                 sums1.append(sum(got["us1"]))
                 sums2.append(sum(got["us2"]))
+                same.append(got["same"])
                 diffs.append(got["diff"])
                 rows.append(f"{' / '.join(f'{u:.1f}' for u in got['us1'])} ({sums1[-1]:.1f}) | "
                             f"{' / '.join(f'{u:.1f}' for u in got['us2'])} ({sums2[-1]:.1f})")
-            same = all(d == 0.0 for d in diffs) if diffs else None
-            bits = "head" if v == "head" else ("same bits" if same else
-                                               f"logits differ, max {max(d for d in diffs if d is not None):.3g}")
+            all_same = all(same) if same else None
+            if all_same:
+                bits = "head" if v == "head" else "same bits"
+            else:  # head's later rounds differing from its first: the comparison itself is not to be trusted
+                bits = (f"{'head: its rounds differ' if v == 'head' else 'logits differ'}, max "
+                        f"{max(diffs):.3g}" if diffs else "no rounds")
             for i, row in enumerate(rows):
                 lines.append(f"  {v if i == 0 else '':>12}  {row}" + (f"  [{bits}]" if i == 0 else ""))
-            summary[f"{ctx}/{v}"] = {"sum_ctx1": sums1, "sum_ctx2": sums2, "same_bits": same}
+            summary[f"{ctx}/{v}"] = {"sum_ctx1": sums1, "sum_ctx2": sums2, "same_bits": all_same}
     return lines, summary
 
 
@@ -182,13 +209,17 @@ def main(argv=None) -> int:
         return 2
     if args.worker:
         return worker(args)
+    if args.workdir and (Path(args.workdir).resolve() == ROOT or Path(args.workdir).resolve() in ROOT.parents):
+        print(f"error: --workdir {Path(args.workdir).resolve()} holds this checkout: name a folder of its own",
+              file=sys.stderr)
+        return 2
 
     import torch
 
     if not torch.cuda.is_available():
         print("error: ab_trees needs a CUDA device", file=sys.stderr)
         return 2
-    work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="dsv4_ab_"))
+    work = (Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="dsv4_ab_"))).resolve()
     work.mkdir(parents=True, exist_ok=True)
     print(f"variant copies in {work}", file=sys.stderr)
     names = ["head"] + [n for n, _ in variants]
@@ -222,7 +253,9 @@ def main(argv=None) -> int:
             for ctx in ctxs:
                 mine = torch.load(f"{out}.{ctx}.pt")
                 ref = torch.load(f"{work / 'head.r0'}.{ctx}.pt")
-                got[str(ctx)]["diff"] = max(float((a - b).abs().max()) for a, b in zip(mine, ref))
+                pairs = list(zip(mine, ref))
+                got[str(ctx)]["same"] = all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in pairs)
+                got[str(ctx)]["diff"] = max(float((a - b).abs().nan_to_num(float("inf")).max()) for a, b in pairs)
             results[name].append(got)
             print(f"{name} round {rnd + 1}: " + ", ".join(
                 f"{c}: {sum(got[str(c)]['us1']):.1f} / {sum(got[str(c)]['us2']):.1f} us" for c in ctxs),

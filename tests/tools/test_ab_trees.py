@@ -73,18 +73,22 @@ def test_parse_variant(tmp_path):
 
 
 def test_summary_sums_rounds_and_names_the_bits():
-    def run(us, diff):
-        return {"1024": {"us1": us, "us2": [u - 1 for u in us], "diff": diff}}
+    def run(us, same, diff=0.0):
+        return {"1024": {"us1": us, "us2": [u - 1 for u in us], "same": same, "diff": diff}}
 
-    results = {"head": [run([100.0, 110.0], 0.0), run([101.0, 111.0], 0.0)],
-               "same": [run([99.0, 109.0], 0.0)],
-               "other": [run([98.0, 108.0], 0.0), run([98.5, 108.5], 0.25)]}
-    lines, summary = ab.summarize(results, ["head", "same", "other"])
+    results = {"head": [run([100.0, 110.0], True), run([101.0, 111.0], True)],
+               "same": [run([99.0, 109.0], True)],
+               "zero": [run([99.0, 109.0], False, 0.0)],  # -0.0 against 0.0: not the same bits, no difference
+               "other": [run([98.0, 108.0], True), run([98.5, 108.5], False, 0.25)]}
+    lines, summary = ab.summarize(results, ["head", "same", "zero", "other"])
     assert summary["1024/head"]["sum_ctx1"] == [210.0, 212.0] and summary["1024/head"]["sum_ctx2"] == [208.0, 210.0]
     assert summary["1024/same"]["same_bits"] is True and summary["1024/other"]["same_bits"] is False
+    assert summary["1024/zero"]["same_bits"] is False
     text = "\n".join(lines)
     assert "context 1024" in text and "100.0 / 110.0 (210.0) | 99.0 / 109.0 (208.0)" in text
-    assert "[same bits]" in text and "[logits differ, max 0.25]" in text
+    assert "[same bits]" in text and "[logits differ, max 0.25]" in text and "[logits differ, max 0]" in text
+    lines, _ = ab.summarize({"head": [run([1.0], True), run([1.0], False, 0.5)]}, ["head"])
+    assert "[head: its rounds differ, max 0.5]" in lines[1]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a CUDA device")
@@ -109,4 +113,43 @@ def test_outside_git_every_file_but_caches(repo, tmp_path):
     (plain / "__pycache__").mkdir()
     (plain / "__pycache__" / "x.pyc").write_text("")
     (plain / "notes.txt").write_text("kept\n")
+    (plain / ".venv").mkdir()
+    (plain / ".venv" / "big.bin").write_text("")
     assert ab.tracked_files(plain) == ["README", "notes.txt", "pkg/k.cu"]
+
+
+def test_a_copy_inside_the_source_checkout_still_gets_its_patch(repo, tmp_path):
+    # git would read the patch's paths from the enclosing work tree and skip them, exiting 0
+    patch = _patch(repo, tmp_path / "rows4.patch", "kRows = 2", "kRows = 4")
+    dest = repo / "ab_work" / "rows4"
+    ab.make_tree(repo, dest, patch)
+    assert (dest / "pkg" / "k.cu").read_text().startswith("constexpr int kRows = 4;")
+    assert (repo / "pkg" / "k.cu").read_text().startswith("constexpr int kRows = 2;")
+
+
+def test_make_tree_deletes_only_its_own_copies(repo, tmp_path):
+    mine = tmp_path / "trees" / "v"
+    ab.make_tree(repo, mine, None)
+    assert (mine / ab.MARKER).is_file()
+    ab.make_tree(repo, mine, None)  # its own copy: made again
+    other = tmp_path / "trees" / "precious"
+    other.mkdir()
+    (other / "data.txt").write_text("keep\n")
+    with pytest.raises(RuntimeError, match="is not a copy made by ab_trees"):
+        ab.make_tree(repo, other, None)
+    assert (other / "data.txt").read_text() == "keep\n"
+
+
+def test_a_folder_below_a_checkout_is_walked(repo):
+    # git answers inside pkg/ too (the enclosing checkout's listing): only the top of a checkout takes it
+    assert ab.tracked_files(repo / "pkg") == ["k.cu"]
+    with pytest.raises(RuntimeError, match="no files to copy"):
+        (repo / "empty").mkdir()
+        ab.tracked_files(repo / "empty")
+
+
+def test_cli_refuses_a_workdir_holding_the_checkout():
+    for wd in (str(ROOT), str(ROOT.parent)):
+        r = subprocess.run([sys.executable, str(ROOT / "tools" / "ab_trees.py"), "--workdir", wd],
+                           capture_output=True, text=True)
+        assert r.returncode == 2 and "holds this checkout" in r.stderr
