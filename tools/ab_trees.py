@@ -3,6 +3,7 @@
 
     python tools/ab_trees.py --variant rows4=rows4.patch --variant c1n2=c1n2.patch \\
         [--contexts 1024,131072] [--rounds 2] [--layers 4] [--replays 100] [--workdir DIR] [--json F]
+        [--device cuda:0|cpu] [--tiny]
 
 Variant "head" (this checkout as it is) always runs first; each --variant NAME=PATCH is a copy of this checkout's
 files (`git ls-files`, with their working-tree contents; where this is not the top of a git checkout, every file but
@@ -17,8 +18,9 @@ compressor emits at ctx-1 and none does at ctx-2), and both steps' logits.
 
 Prints, per context and variant, each round's per-layer us and their sum at ctx-1 / ctx-2, and whether the logits
 equal head's bit for bit (else their largest difference); --json writes the same. A benchmark, not a test: compare
-figures of one call only. Exit 1 when a variant's patch does not apply or its build or run fails; 2 on bad arguments
-or without a CUDA device.
+figures of one call only. `--device cpu --tiny` runs the same steps eagerly on the CPU with the reference ops (the
+tool's own test). Exit 1 when a variant's patch does not apply or its build or run fails; 2 on bad arguments or
+without a CUDA device.
 """
 
 from __future__ import annotations
@@ -133,14 +135,31 @@ def summarize(results: dict, variants: list[str]) -> tuple[list[str], dict]:
     return lines, summary
 
 
+def wall_us(fn, n: int, runs: int = 7) -> float:
+    """Median over `runs` of the mean wall-clock microseconds of fn() over n calls (one warm call first): the CPU's
+    stand-in for bench_decode.median_us."""
+    import statistics
+    import time
+
+    fn()
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        times.append((time.perf_counter() - t0) * 1e6 / n)
+    return statistics.median(times)
+
+
 def worker(args) -> int:
     """One variant's timing, in its own copy (the cwd): prints one JSON line {ctx: {us1, us2}} and saves the logits."""
     sys.path.insert(0, os.getcwd())
     sys.path.insert(0, os.path.join(os.getcwd(), "tools"))
     import torch
 
-    if not torch.cuda.is_available():
-        print("error: ab_trees needs a CUDA device", file=sys.stderr)
+    cpu = args.device == "cpu"
+    if not cpu and not torch.cuda.is_available():
+        print("error: ab_trees needs a CUDA device (or --device cpu)", file=sys.stderr)
         return 2
     from bench_decode import fill_state, median_us
 
@@ -150,28 +169,29 @@ def worker(args) -> int:
     from dsv4.model.layers import Numerics, set_overlap
     from dsv4.model.transformer import Transformer
     from dsv4.testing import randomize_
-    from dsv4.writer import FLASH_CONFIG, truncate_layers
+    from dsv4.writer import FLASH_CONFIG, TINY_CONFIG, truncate_layers
 
     ctxs = [int(c) for c in args.contexts.split(",")]
-    ops.configure("fast", "cuda", {})
-    set_overlap(True)
-    raw = truncate_layers(FLASH_CONFIG, args.layers)
+    ops.configure("ref" if cpu else "fast", "cpu" if cpu else "cuda", {})
+    set_overlap(not cpu)
+    raw = truncate_layers(TINY_CONFIG if args.tiny else FLASH_CONFIG, args.layers)
     raw["compress_ratios"] = raw["compress_ratios"][: args.layers]
     raw["num_nextn_predict_layers"] = 0
     with torch.device("meta"):
         model = Transformer(ModelConfig.from_dict(raw), Numerics("reference", torch.bfloat16), max_pos=max(ctxs))
-    model.place(["cuda:0"])
+    model.place([args.device])
     randomize_(model, seed=0)
     out = {}
     for ctx in ctxs:
         state = model.new_state(ctx)
         fill_state(state, ctx - 1, seed=ctx)
-        runner = DecodeRunner(model, state, use_graphs=True)
+        runner = DecodeRunner(model, state, use_graphs=not cpu)
         us = {}
         for key, pos in (("us1", ctx - 1), ("us2", ctx - 2)):
             for _ in range(2):
                 runner.step(1, pos)
-            us[key] = [median_us(runner.layer_fn(i, pos), args.replays, runner.devices[i])
+            us[key] = [wall_us(runner.layer_fn(i, pos), args.replays) if cpu else
+                       median_us(runner.layer_fn(i, pos), args.replays, runner.devices[i])
                        for i in range(len(model.layers))]
         logits = []
         for pos in (ctx - 1, ctx - 2):
@@ -193,6 +213,11 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=4, help="first N layers of Flash (default 4: SWA, SWA, CSA, HCA)")
     p.add_argument("--replays", type=int, default=100, help="back-to-back replays per timing (default: 100)")
     p.add_argument("--workdir", default=None, help="where the copies go (default: a new temporary directory)")
+    p.add_argument("--device", default="cuda:0",
+                   help="cuda:N, or cpu: eager steps of the reference ops timed by the wall clock, to check the tool "
+                        "itself (default: cuda:0)")
+    p.add_argument("--tiny", action="store_true",
+                   help="the tiny test model's layers (dsv4.writer.TINY_CONFIG, up to 4) instead of Flash's")
     p.add_argument("--json", metavar="F", help="write the results as JSON to F")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -201,6 +226,10 @@ def main(argv=None) -> int:
         ctxs = [int(c) for c in args.contexts.split(",")]
         if not ctxs or min(ctxs) < 2 or args.rounds < 1 or args.layers < 1 or args.replays < 1:
             raise ValueError("--contexts must be >= 2 and --rounds / --layers / --replays >= 1")
+        if args.device != "cpu" and not args.device.startswith("cuda"):
+            raise ValueError(f"--device must be cuda[:N] or cpu, got {args.device!r}")
+        if args.layers > (4 if args.tiny else 43):
+            raise ValueError(f"--layers: at most {4 if args.tiny else 43}")
         variants = [parse_variant(v) for v in args.variant]
         if len({n for n, _ in variants}) != len(variants):
             raise ValueError("--variant: each NAME once")
@@ -216,8 +245,9 @@ def main(argv=None) -> int:
 
     import torch
 
-    if not torch.cuda.is_available():
-        print("error: ab_trees needs a CUDA device", file=sys.stderr)
+    cpu = args.device == "cpu"
+    if not cpu and not torch.cuda.is_available():
+        print("error: ab_trees needs a CUDA device (or --device cpu)", file=sys.stderr)
         return 2
     work = (Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="dsv4_ab_"))).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -231,7 +261,7 @@ def main(argv=None) -> int:
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    for name in names:  # one build at a time: copies with the same kernel sources share a cache entry
+    for name in names if not cpu else []:  # one build at a time: copies with the same kernel sources share a cache entry
         print(f"building {name} ...", file=sys.stderr, flush=True)
         r = subprocess.run([sys.executable, "-c", "from dsv4.kernels import cuda; import sys; "
                             "sys.exit(0 if cuda.load() is not None else 1)"], cwd=trees[name])
@@ -244,7 +274,8 @@ def main(argv=None) -> int:
             out = work / f"{name}.r{rnd}"
             r = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", "--contexts",
                                 args.contexts, "--layers", str(args.layers), "--replays", str(args.replays), "--out",
-                                str(out)], cwd=trees[name], capture_output=True, text=True)
+                                str(out), "--device", args.device] + (["--tiny"] if args.tiny else []),
+                               cwd=trees[name], capture_output=True, text=True)
             if r.returncode:
                 tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
                 print(f"error: variant {name}, round {rnd + 1}: {tail}", file=sys.stderr)
@@ -263,7 +294,8 @@ def main(argv=None) -> int:
     lines, summary = summarize(results, names)
     print("\n".join(lines))
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(0), "layers": args.layers,
+        Path(args.json).write_text(json.dumps({"device": "cpu" if cpu else torch.cuda.get_device_name(0),
+                                               "model": "tiny" if args.tiny else "flash", "layers": args.layers,
                                                "replays": args.replays, "results": results, "summary": summary},
                                               indent=1))
     return 0

@@ -94,7 +94,7 @@ def test_summary_sums_rounds_and_names_the_bits():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a CUDA device")
 def test_cli_without_cuda_exits_2_with_one_line(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "tools" / "ab_trees.py")], capture_output=True, text=True)
-    assert r.returncode == 2 and r.stderr.strip() == "error: ab_trees needs a CUDA device"
+    assert r.returncode == 2 and r.stderr.strip() == "error: ab_trees needs a CUDA device (or --device cpu)"
 
 
 def test_cli_refuses_bad_arguments(tmp_path):
@@ -153,3 +153,38 @@ def test_cli_refuses_a_workdir_holding_the_checkout():
         r = subprocess.run([sys.executable, str(ROOT / "tools" / "ab_trees.py"), "--workdir", wd],
                            capture_output=True, text=True)
         assert r.returncode == 2 and "holds this checkout" in r.stderr
+
+
+def _norm_patch(path: Path, new_line: str | None) -> Path:
+    """A patch of this checkout's dsv4/ops/norm.py: its rmsnorm_ref's scaling line replaced by new_line, or (None) a
+    comment appended."""
+    import difflib
+
+    src = (ROOT / "dsv4" / "ops" / "norm.py").read_text()
+    line = "    xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)"
+    assert line in src
+    new = src + "\n# a comment\n" if new_line is None else src.replace(line, new_line)
+    path.write_text("".join(difflib.unified_diff(src.splitlines(True), new.splitlines(True), "a/dsv4/ops/norm.py",
+                                                 "b/dsv4/ops/norm.py")))
+    return path
+
+
+def test_end_to_end_on_the_cpu_each_variant_runs_its_own_code(tmp_path):
+    # a comment gives head's bits; a 1% larger norm output changes the logits: so each copy's dsv4 is what ran
+    noop = _norm_patch(tmp_path / "noop.patch", None)
+    scale = _norm_patch(tmp_path / "scale.patch",
+                        "    xf = 1.01 * xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)")
+    out = tmp_path / "ab.json"
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "ab_trees.py"), "--device", "cpu", "--tiny", "--layers",
+                        "2", "--contexts", "64", "--rounds", "1", "--replays", "1", "--variant", f"noop={noop}",
+                        "--variant", f"scale={scale}", "--workdir", str(tmp_path / "w"), "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    import json
+
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["64/head"]["same_bits"] is True and summary["64/noop"]["same_bits"] is True
+    assert summary["64/scale"]["same_bits"] is False
+    assert len(summary["64/scale"]["sum_ctx1"]) == 1 and summary["64/scale"]["sum_ctx1"][0] > 0
+    assert "[same bits]" in r.stdout and "[logits differ, max" in r.stdout
+    assert (ROOT / "dsv4" / "ops" / "norm.py").read_text().count("1.01 * xf") == 0  # the checkout is untouched
