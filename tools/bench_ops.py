@@ -29,11 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        description="Per-op latency at Flash shapes (ref vs fast), bytes moved, GB/s and %% of the device-copy "
+        description="Per-op latency at Flash shapes (ref vs fast), bytes moved, GB/s and % of the device-copy "
                     "bandwidth measured in the same run. Needs CUDA.")
     p.add_argument("--device", default="cuda", help="CUDA device (default cuda)")
     p.add_argument("--m", default="1,4,128", help="comma list of token counts M (default 1,4,128)")
-    p.add_argument("--cases", default="all", help="all, or a comma list of case names (see --list)")
+    p.add_argument("--cases", default="all", help="all, or a comma list of case names (see --list) (default all)")
     p.add_argument("--calls", type=int, default=20, help="calls per timed graph replay (default 20)")
     p.add_argument("--reps", type=int, default=10, help="timed replays, the median is reported (default 10)")
     p.add_argument("--no-ref", action="store_true", help="skip timing the reference backend")

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         help=f"a preset ({', '.join(PRESETS)}) or a config.json (or a directory holding one)",
     )
     p.add_argument(
-        "--layers", type=int, metavar="N", help="keep only the first N main layers (MTP kept)"
+        "--layers", type=int, metavar="N", help="keep only the first N main layers (MTP kept) (default: all)"
     )
     p.add_argument(
         "--format", default="fp8", choices=FORMATS, help="storage format (default: fp8)"

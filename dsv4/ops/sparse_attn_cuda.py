@@ -7,7 +7,7 @@ rows that the kernel converts to bf16 in shared memory), H a multiple of 16 and 
   each keeping its blocks' rows in shared memory; the running maximum of the sequential walk is
   exchanged across the cluster before the walk, so every p and bf16(p) is the reference's, and the CTAs' partials are
   combined in rank order;
-- longer lists (HCA past 192K tokens of context; up to 2^18 slots), three launches over about one CTA per SM: every
+- longer lists (HCA states of more than ~176K tokens; up to 2^18 slots), three launches over about one CTA per SM: every
   block's maximum logit per head into global memory, then each split's walk from the running maximum at its blocks
   (the same p and bf16(p)) into fp32 partials, then the partials combined in split order.
 Given RoPE tables, the output's RoPE dims are rotated back in the epilogue. Same input, same bits; no host sync,
