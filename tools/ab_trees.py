@@ -228,6 +228,9 @@ def main(argv=None) -> int:
             raise ValueError("--contexts must be >= 2 and --rounds / --layers / --replays >= 1")
         if args.device != "cpu" and not args.device.startswith("cuda"):
             raise ValueError(f"--device must be cuda[:N] or cpu, got {args.device!r}")
+        if args.device == "cpu" and not args.tiny:
+            raise ValueError("--device cpu runs the tiny test model only: add --tiny (Flash's layers take minutes a "
+                             "step there)")
         if args.layers > (4 if args.tiny else 43):
             raise ValueError(f"--layers: at most {4 if args.tiny else 43}")
         variants = [parse_variant(v) for v in args.variant]

@@ -104,6 +104,9 @@ def test_cli_refuses_bad_arguments(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "tools" / "ab_trees.py"), "--contexts", "1"],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "--contexts must be >= 2" in r.stderr
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "ab_trees.py"), "--device", "cpu"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.strip().startswith("error: --device cpu runs the tiny test model only")
 
 
 def test_outside_git_every_file_but_caches(repo, tmp_path):
