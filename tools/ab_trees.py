@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
 """Timing A/B of source variants inside the decode layer graphs: the yardstick of a kernel change, kept in the tree.
 
-    python tools/ab_trees.py --variant rows4=rows4.patch --variant c1n2=c1n2.patch \\
+    python tools/ab_trees.py --variant rows4=rows4.patch --variant c1n2=c1n2.patch --env-variant nopdl=DSV4_PDL=0 \\
         [--contexts 1024,131072] [--rounds 2] [--layers 4] [--replays 100] [--workdir DIR] [--json F]
         [--device cuda:0|cpu] [--tiny]
 
 Variant "head" (this checkout as it is) always runs first; each --variant NAME=PATCH is a copy of this checkout's
 files (`git ls-files`, with their working-tree contents; where this is not the top of a git checkout, every file but
 hidden folders, caches and build outputs) under --workdir with PATCH applied (`git apply`). A copy carries a marker
-file; an existing folder of a variant's name is replaced only if it has one. Each copy's CUDA kernels are built
+file; an existing folder of a variant's name is replaced only if it has one. Each --env-variant NAME=K=V[,K=V...]
+runs head's copy with those environment variables set in its worker: a switch the code reads from the environment
+(DSV4_PDL=0, say) needs no patch, copy or build (values cannot hold commas). Each copy's CUDA kernels are built
 first, one copy after another (copies with the same kernel sources share a build in the kernel cache). Then the
 variants run in turn, --rounds times, each in its own process inside its copy (this script's `--worker`, importing
 the copy's dsv4 and tools): the first --layers layers of Flash with random weights (seed 0) on cuda:0, the state
@@ -17,7 +19,8 @@ runs of --replays back-to-back replays) at ctx-1 and ctx-2 (with a context that 
 compressor emits at ctx-1 and none does at ctx-2), and both steps' logits.
 
 Prints, per context and variant, each round's per-layer us and their sum at ctx-1 / ctx-2, and whether the logits
-equal head's bit for bit (else their largest difference); --json writes the same. A benchmark, not a test: compare
+equal head's bit for bit (else their largest difference); --json writes the same, with the variables each
+--env-variant set as its worker saw them. A benchmark, not a test: compare
 figures of one call only. `--device cpu --tiny` runs the same steps eagerly on the CPU with the reference ops (the
 tool's own test). Exit 1 when a variant's patch does not apply or its build or run fails; 2 on bad arguments or
 without a CUDA device.
@@ -101,6 +104,20 @@ def parse_variant(spec: str) -> tuple[str, Path]:
     if not p.is_file():
         raise ValueError(f"--variant {name}: no patch file {patch}")
     return name, p
+
+
+def parse_env_variant(spec: str) -> tuple[str, dict[str, str]]:
+    """NAME=K=V[,K=V...] -> (NAME, {K: V}); ValueError naming what is wrong."""
+    name, sep, rest = spec.partition("=")
+    pairs = [kv.partition("=") for kv in rest.split(",")] if rest else []
+    if (not sep or not name or not name.replace("_", "").replace("-", "").isalnum() or not pairs
+            or any(not eq or not k or not (k[0].isalpha() or k[0] == "_") or not k.replace("_", "").isalnum()
+                   for k, eq, _ in pairs)):
+        raise ValueError(f"--env-variant wants NAME=K=V[,K=V...] (NAME letters, digits, - or _; K an environment "
+                         f"variable's name), got {spec!r}")
+    if name == "head":
+        raise ValueError("--env-variant: 'head' is this checkout itself, name the variant otherwise")
+    return name, {k: v for k, _, v in pairs}
 
 
 def summarize(results: dict, variants: list[str]) -> tuple[list[str], dict]:
@@ -200,7 +217,9 @@ def worker(args) -> int:
         torch.save(logits, f"{args.out}.{ctx}.pt")
         out[ctx] = us
         runner = None
-    print(json.dumps(out))
+    # the environment the variant ran with (what an --env-variant sets; each key the parent asked about)
+    seen = {k: os.environ.get(k) for k in (args.report_env.split(",") if args.report_env else [])}
+    print(json.dumps({"us": out, "env": seen}))
     return 0
 
 
@@ -208,6 +227,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variant", action="append", default=[], metavar="NAME=PATCH",
                    help="a variant: this checkout with PATCH applied (repeatable; 'head' always runs)")
+    p.add_argument("--env-variant", action="append", default=[], metavar="NAME=K=V[,K=V...]",
+                   help="a variant: head's copy run with these environment variables set (repeatable)")
     p.add_argument("--contexts", default="1024", help="comma list of contexts (default: 1024)")
     p.add_argument("--rounds", type=int, default=2, help="times each variant runs, alternated (default: 2)")
     p.add_argument("--layers", type=int, default=4, help="first N layers of Flash (default 4: SWA, SWA, CSA, HCA)")
@@ -221,6 +242,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", metavar="F", help="write the results as JSON to F")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--report-env", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     try:
         ctxs = [int(c) for c in args.contexts.split(",")]
@@ -234,8 +256,10 @@ def main(argv=None) -> int:
         if args.layers > (4 if args.tiny else 43):
             raise ValueError(f"--layers: at most {4 if args.tiny else 43}")
         variants = [parse_variant(v) for v in args.variant]
-        if len({n for n, _ in variants}) != len(variants):
-            raise ValueError("--variant: each NAME once")
+        env_variants = [parse_env_variant(v) for v in args.env_variant]
+        named = [n for n, _ in variants] + [n for n, _ in env_variants]
+        if len(set(named)) != len(named):
+            raise ValueError("--variant / --env-variant: each NAME once")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -255,7 +279,9 @@ def main(argv=None) -> int:
     work = (Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="dsv4_ab_"))).resolve()
     work.mkdir(parents=True, exist_ok=True)
     print(f"variant copies in {work}", file=sys.stderr)
-    names = ["head"] + [n for n, _ in variants]
+    names = ["head"] + [n for n, _ in variants] + [n for n, _ in env_variants]
+    envs = dict(env_variants)
+    keys = sorted({k for e in envs.values() for k in e})
     trees = {}
     try:
         for name, patch in [("head", None)] + variants:
@@ -264,7 +290,10 @@ def main(argv=None) -> int:
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    for name in names if not cpu else []:  # one build at a time: copies with the same kernel sources share a cache entry
+    for name in envs:  # head's copy, its own environment
+        trees[name] = trees["head"]
+    for name in [n for n in names if n not in envs] if not cpu else []:
+        # one build at a time: copies with the same kernel sources share a cache entry
         print(f"building {name} ...", file=sys.stderr, flush=True)
         r = subprocess.run([sys.executable, "-c", "from dsv4.kernels import cuda; import sys; "
                             "sys.exit(0 if cuda.load() is not None else 1)"], cwd=trees[name])
@@ -272,18 +301,21 @@ def main(argv=None) -> int:
             print(f"error: variant {name}: its CUDA kernels did not build", file=sys.stderr)
             return 1
     results: dict = {n: [] for n in names}
+    seen_env: dict = {}
     for rnd in range(args.rounds):
         for name in names:
             out = work / f"{name}.r{rnd}"
             r = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", "--contexts",
                                 args.contexts, "--layers", str(args.layers), "--replays", str(args.replays), "--out",
-                                str(out), "--device", args.device] + (["--tiny"] if args.tiny else []),
-                               cwd=trees[name], capture_output=True, text=True)
+                                str(out), "--device", args.device, "--report-env", ",".join(keys)]
+                               + (["--tiny"] if args.tiny else []),
+                               cwd=trees[name], capture_output=True, text=True, env={**os.environ, **envs.get(name, {})})
             if r.returncode:
                 tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
                 print(f"error: variant {name}, round {rnd + 1}: {tail}", file=sys.stderr)
                 return 1
-            got = json.loads(r.stdout.strip().splitlines()[-1])
+            line = json.loads(r.stdout.strip().splitlines()[-1])
+            got, seen_env[name] = line["us"], line["env"]
             for ctx in ctxs:
                 mine = torch.load(f"{out}.{ctx}.pt")
                 ref = torch.load(f"{work / 'head.r0'}.{ctx}.pt")
@@ -295,12 +327,14 @@ def main(argv=None) -> int:
                 f"{c}: {sum(got[str(c)]['us1']):.1f} / {sum(got[str(c)]['us2']):.1f} us" for c in ctxs),
                 file=sys.stderr, flush=True)
     lines, summary = summarize(results, names)
+    for name, env in envs.items():
+        lines.append(f"{name}: head's code with " + ", ".join(f"{k}={v}" for k, v in env.items()))
     print("\n".join(lines))
     if args.json:
         Path(args.json).write_text(json.dumps({"device": "cpu" if cpu else torch.cuda.get_device_name(0),
                                                "model": "tiny" if args.tiny else "flash", "layers": args.layers,
-                                               "replays": args.replays, "results": results, "summary": summary},
-                                              indent=1))
+                                               "replays": args.replays, "results": results, "summary": summary,
+                                               "env": seen_env}, indent=1))
     return 0
 
 

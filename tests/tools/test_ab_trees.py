@@ -72,6 +72,17 @@ def test_parse_variant(tmp_path):
             ab.parse_variant(bad)
 
 
+def test_parse_env_variant():
+    assert ab.parse_env_variant("nopdl=DSV4_PDL=0") == ("nopdl", {"DSV4_PDL": "0"})
+    assert ab.parse_env_variant("two=A_B=1,_C=x=y") == ("two", {"A_B": "1", "_C": "x=y"})
+    assert ab.parse_env_variant("empty=K=") == ("empty", {"K": ""})
+    for bad, msg in (("nopdl", "NAME=K=V"), ("nopdl=", "NAME=K=V"), ("n=K", "NAME=K=V"), ("n=1K=2", "NAME=K=V"),
+                     ("n=K-1=2", "NAME=K=V"), ("n=K=1,", "NAME=K=V"), ("a b=K=1", "NAME=K=V"),
+                     ("head=K=1", "'head' is this checkout")):
+        with pytest.raises(ValueError, match=msg):
+            ab.parse_env_variant(bad)
+
+
 def test_summary_sums_rounds_and_names_the_bits():
     def run(us, same, diff=0.0):
         return {"1024": {"us1": us, "us2": [u - 1 for u in us], "same": same, "diff": diff}}
@@ -107,6 +118,14 @@ def test_cli_refuses_bad_arguments(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "tools" / "ab_trees.py"), "--device", "cpu"],
                        capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.strip().startswith("error: --device cpu runs the tiny test model only")
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "ab_trees.py"), "--env-variant", "x=K"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.strip().startswith("error: --env-variant wants NAME=K=V")
+    p = tmp_path / "x.patch"
+    p.write_text("")
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "ab_trees.py"), "--variant", f"x={p}", "--env-variant",
+                        "x=K=1"], capture_output=True, text=True)
+    assert r.returncode == 2 and "each NAME once" in r.stderr
 
 
 def test_outside_git_every_file_but_caches(repo, tmp_path):
@@ -173,21 +192,29 @@ def _norm_patch(path: Path, new_line: str | None) -> Path:
 
 
 def test_end_to_end_on_the_cpu_each_variant_runs_its_own_code(tmp_path):
-    # a comment gives head's bits; a 1% larger norm output changes the logits: so each copy's dsv4 is what ran
+    # a comment gives head's bits; a 1% larger norm output changes the logits: so each copy's dsv4 is what ran; an
+    # environment variant runs head's code (head's bits) with its variable set in its worker, and only there
     noop = _norm_patch(tmp_path / "noop.patch", None)
     scale = _norm_patch(tmp_path / "scale.patch",
                         "    xf = 1.01 * xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)")
     out = tmp_path / "ab.json"
     r = subprocess.run([sys.executable, str(ROOT / "tools" / "ab_trees.py"), "--device", "cpu", "--tiny", "--layers",
                         "2", "--contexts", "64", "--rounds", "1", "--replays", "1", "--variant", f"noop={noop}",
-                        "--variant", f"scale={scale}", "--workdir", str(tmp_path / "w"), "--json", str(out)],
+                        "--variant", f"scale={scale}", "--env-variant", "probe=DSV4_AB_PROBE=42,DSV4_AB_OTHER=x",
+                        "--workdir", str(tmp_path / "w"), "--json", str(out)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     import json
 
-    summary = json.loads(out.read_text())["summary"]
+    report = json.loads(out.read_text())
+    summary = report["summary"]
     assert summary["64/head"]["same_bits"] is True and summary["64/noop"]["same_bits"] is True
     assert summary["64/scale"]["same_bits"] is False
+    assert summary["64/probe"]["same_bits"] is True
+    assert report["env"]["probe"] == {"DSV4_AB_OTHER": "x", "DSV4_AB_PROBE": "42"}
+    assert report["env"]["head"] == {"DSV4_AB_OTHER": None, "DSV4_AB_PROBE": None}
+    assert "probe: head's code with DSV4_AB_PROBE=42, DSV4_AB_OTHER=x" in r.stdout
+    assert not (tmp_path / "w" / "probe").exists()  # no copy of its own
     assert len(summary["64/scale"]["sum_ctx1"]) == 1 and summary["64/scale"]["sum_ctx1"][0] > 0
     assert "[same bits]" in r.stdout and "[logits differ, max" in r.stdout
     assert (ROOT / "dsv4" / "ops" / "norm.py").read_text().count("1.01 * xf") == 0  # the checkout is untouched
