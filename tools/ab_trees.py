@@ -10,7 +10,8 @@ files (`git ls-files`, with their working-tree contents; where this is not the t
 hidden folders, caches and build outputs) under --workdir with PATCH applied (`git apply`). A copy carries a marker
 file; an existing folder of a variant's name is replaced only if it has one. Each --env-variant NAME=K=V[,K=V...]
 runs head's copy with those environment variables set in its worker: a switch the code reads from the environment
-(DSV4_PDL=0, say) needs no patch, copy or build (values cannot hold commas). Each copy's CUDA kernels are built
+(DSV4_PDL=0, say) needs no patch, copy or build (values cannot hold commas; a variable that changes where or whether the
+CUDA kernels build, such as DSV4_CACHE, makes that worker build them itself). Each copy's CUDA kernels are built
 first, one copy after another (copies with the same kernel sources share a build in the kernel cache). Then the
 variants run in turn, --rounds times, each in its own process inside its copy (this script's `--worker`, importing
 the copy's dsv4 and tools): the first --layers layers of Flash with random weights (seed 0) on cuda:0, the state
@@ -19,8 +20,9 @@ runs of --replays back-to-back replays) at ctx-1 and ctx-2 (with a context that 
 compressor emits at ctx-1 and none does at ctx-2), and both steps' logits.
 
 Prints, per context and variant, each round's per-layer us and their sum at ctx-1 / ctx-2, and whether the logits
-equal head's bit for bit (else their largest difference); --json writes the same, with the variables each
---env-variant set as its worker saw them. A benchmark, not a test: compare
+equal head's bit for bit (else their largest difference); --json writes the same, with, for every variant, the
+values of the --env-variant variables its worker saw ("env": a value set in this shell shows in head's and the patch
+variants' too, and the tool warns about it) and the copy it ran in ("tree"). A benchmark, not a test: compare
 figures of one call only. `--device cpu --tiny` runs the same steps eagerly on the CPU with the reference ops (the
 tool's own test). Exit 1 when a variant's patch does not apply or its build or run fails; 2 on bad arguments or
 without a CUDA device.
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -110,13 +113,15 @@ def parse_env_variant(spec: str) -> tuple[str, dict[str, str]]:
     """NAME=K=V[,K=V...] -> (NAME, {K: V}); ValueError naming what is wrong."""
     name, sep, rest = spec.partition("=")
     pairs = [kv.partition("=") for kv in rest.split(",")] if rest else []
-    if (not sep or not name or not name.replace("_", "").replace("-", "").isalnum() or not pairs
-            or any(not eq or not k or not (k[0].isalpha() or k[0] == "_") or not k.replace("_", "").isalnum()
-                   for k, eq, _ in pairs)):
+    if (not sep or not re.fullmatch(r"[A-Za-z0-9_-]+", name) or not pairs
+            or any(not eq or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k) for k, eq, _ in pairs)):
         raise ValueError(f"--env-variant wants NAME=K=V[,K=V...] (NAME letters, digits, - or _; K an environment "
                          f"variable's name), got {spec!r}")
     if name == "head":
         raise ValueError("--env-variant: 'head' is this checkout itself, name the variant otherwise")
+    keys = [k for k, _, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"--env-variant {name}: each variable once, got {spec!r}")
     return name, {k: v for k, _, v in pairs}
 
 
@@ -169,7 +174,8 @@ def wall_us(fn, n: int, runs: int = 7) -> float:
 
 
 def worker(args) -> int:
-    """One variant's timing, in its own copy (the cwd): prints one JSON line {ctx: {us1, us2}} and saves the logits."""
+    """One variant's timing, in its own copy (the cwd): prints one JSON line {"us": {ctx: {us1, us2}}, "env": the
+    --report-env variables' values here, "tree": the cwd} and saves the logits."""
     sys.path.insert(0, os.getcwd())
     sys.path.insert(0, os.path.join(os.getcwd(), "tools"))
     import torch
@@ -219,7 +225,7 @@ def worker(args) -> int:
         runner = None
     # the environment the variant ran with (what an --env-variant sets; each key the parent asked about)
     seen = {k: os.environ.get(k) for k in (args.report_env.split(",") if args.report_env else [])}
-    print(json.dumps({"us": out, "env": seen}))
+    print(json.dumps({"us": out, "env": seen, "tree": os.getcwd()}))
     return 0
 
 
@@ -282,6 +288,10 @@ def main(argv=None) -> int:
     names = ["head"] + [n for n, _ in variants] + [n for n, _ in env_variants]
     envs = dict(env_variants)
     keys = sorted({k for e in envs.values() for k in e})
+    for k in keys:
+        if k in os.environ:
+            print(f"warning: {k} is set in this shell ({os.environ[k]!r}): head and the patch variants run with it too",
+                  file=sys.stderr)
     trees = {}
     try:
         for name, patch in [("head", None)] + variants:
@@ -302,6 +312,7 @@ def main(argv=None) -> int:
             return 1
     results: dict = {n: [] for n in names}
     seen_env: dict = {}
+    seen_tree: dict = {}
     for rnd in range(args.rounds):
         for name in names:
             out = work / f"{name}.r{rnd}"
@@ -315,7 +326,7 @@ def main(argv=None) -> int:
                 print(f"error: variant {name}, round {rnd + 1}: {tail}", file=sys.stderr)
                 return 1
             line = json.loads(r.stdout.strip().splitlines()[-1])
-            got, seen_env[name] = line["us"], line["env"]
+            got, seen_env[name], seen_tree[name] = line["us"], line["env"], line["tree"]
             for ctx in ctxs:
                 mine = torch.load(f"{out}.{ctx}.pt")
                 ref = torch.load(f"{work / 'head.r0'}.{ctx}.pt")
@@ -334,7 +345,7 @@ def main(argv=None) -> int:
         Path(args.json).write_text(json.dumps({"device": "cpu" if cpu else torch.cuda.get_device_name(0),
                                                "model": "tiny" if args.tiny else "flash", "layers": args.layers,
                                                "replays": args.replays, "results": results, "summary": summary,
-                                               "env": seen_env}, indent=1))
+                                               "env": seen_env, "tree": seen_tree}, indent=1))
     return 0
 
 

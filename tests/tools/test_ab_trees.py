@@ -1,6 +1,7 @@
 """tools/ab_trees.py: variant trees (a checkout's tracked files with a patch), the summary table, the CLI's refusals."""
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -78,7 +79,8 @@ def test_parse_env_variant():
     assert ab.parse_env_variant("empty=K=") == ("empty", {"K": ""})
     for bad, msg in (("nopdl", "NAME=K=V"), ("nopdl=", "NAME=K=V"), ("n=K", "NAME=K=V"), ("n=1K=2", "NAME=K=V"),
                      ("n=K-1=2", "NAME=K=V"), ("n=K=1,", "NAME=K=V"), ("a b=K=1", "NAME=K=V"),
-                     ("head=K=1", "'head' is this checkout")):
+                     ("n=\u00c4=1", "NAME=K=V"), ("n=K\u0663=1", "NAME=K=V"), ("head=K=1", "'head' is this checkout"),
+                     ("n=K=1,K=2", "each variable once")):
         with pytest.raises(ValueError, match=msg):
             ab.parse_env_variant(bad)
 
@@ -202,7 +204,8 @@ def test_end_to_end_on_the_cpu_each_variant_runs_its_own_code(tmp_path):
                         "2", "--contexts", "64", "--rounds", "1", "--replays", "1", "--variant", f"noop={noop}",
                         "--variant", f"scale={scale}", "--env-variant", "probe=DSV4_AB_PROBE=42,DSV4_AB_OTHER=x",
                         "--workdir", str(tmp_path / "w"), "--json", str(out)],
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "DSV4_AB_OTHER": "outer"})  # set in the shell: head sees it, probe its own
     assert r.returncode == 0, r.stderr
     import json
 
@@ -212,8 +215,12 @@ def test_end_to_end_on_the_cpu_each_variant_runs_its_own_code(tmp_path):
     assert summary["64/scale"]["same_bits"] is False
     assert summary["64/probe"]["same_bits"] is True
     assert report["env"]["probe"] == {"DSV4_AB_OTHER": "x", "DSV4_AB_PROBE": "42"}
-    assert report["env"]["head"] == {"DSV4_AB_OTHER": None, "DSV4_AB_PROBE": None}
+    assert report["env"]["head"] == {"DSV4_AB_OTHER": "outer", "DSV4_AB_PROBE": None}
+    assert report["env"]["noop"] == report["env"]["head"]
     assert "probe: head's code with DSV4_AB_PROBE=42, DSV4_AB_OTHER=x" in r.stdout
+    assert "warning: DSV4_AB_OTHER is set in this shell ('outer')" in r.stderr
+    assert report["tree"]["probe"] == report["tree"]["head"] == str((tmp_path / "w" / "head").resolve())
+    assert report["tree"]["noop"] == str((tmp_path / "w" / "noop").resolve())
     assert not (tmp_path / "w" / "probe").exists()  # no copy of its own
     assert len(summary["64/scale"]["sum_ctx1"]) == 1 and summary["64/scale"]["sum_ctx1"][0] > 0
     assert "[same bits]" in r.stdout and "[logits differ, max" in r.stdout
