@@ -2,8 +2,9 @@
 // launches (SPEC §2.7, moe_experts_ref's numerics up to fp32 summation order and the FP8 MMA's accumulation).
 //
 // moe_up_kernel: one CTA per 16 rows of w1 and w3 of one expert (the shared expert's CTAs first); warp (mat, kq)
-//   streams 16 rows of w1 (mat 0) or w3 (mat 1) over a quarter of K. Epilogue: gate / up summed over the quarters in
-//   order, rounded to bf16, clamped, silu(gate) * up in fp32, times the routing weight (routed), rounded -> h.
+//   streams 16 rows of w1 (mat 0) or w3 (mat 1) over a quarter of K, its products on wgmma (below). Epilogue: gate /
+//   up summed over the quarters in order, rounded to bf16, clamped, silu(gate) * up in fp32, times the routing weight
+//   (routed), rounded -> h.
 // moe_down_kernel: one CTA per 16 output rows; warp j < k streams routed pair j's w2 rows over all of K, warps 6 and 7
 //   the shared expert's w2 rows over one half of K each. Epilogue: the pair outputs rounded to bf16 and summed in fp32
 //   in ascending (expert id, slot) order, then the shared expert's (its halves summed, rounded): fixed order, no
@@ -23,24 +24,32 @@
 //   thirty-eighth passes.)
 //
 // Numerics. x (and h) are quantized in the kernel to e4m3 with a power-of-two scale per 128 (DeepSeek's act_quant),
-// or x's codes come with it (a.xq, a.xqs: the FFN's mHC boundary writes them beside x) and the up kernel only widens
-// them to f16 in its shared-memory layout (moe_up_kernel<true>; the same codes, so the same bits).
+// or x's codes come with it (a.xq, a.xqs: the FFN's mHC boundary writes them beside x; the same codes, so the same bits).
 // An e2m1 nibble s.EE.m becomes the e4m3 byte s.00EE.m00, whose value is exactly e2m1 * 2^-6 (E = 0 lands on the e4m3
-// subnormal 2^-7), so one m16n8k32-shaped product multiplies 32 weights of one MXFP4 group exactly; its sum is promoted
-// to fp32 with the group's E8M0 scale times the x block scale times 2^6. FP8 weights: one product pair per 64 columns,
-// promoted per 128-column block with the 128x128 block scale (as gemv.cu). sm_90 has no e4m3 mma.sync (ptxas turns it
-// into f16 MMAs, converting both operands at every call), so the kernels convert the weight codes to f16 themselves
-// (exact) and keep x in shared memory as the f16 of its e4m3 codes: two m16n8k16 f16 MMAs per 32 values.
+// subnormal 2^-7), so one k32 product multiplies 32 weights of one MXFP4 group exactly; its sum is promoted to fp32
+// with the group's E8M0 scale times the x block scale times 2^6. FP8 weights: products over 128 columns, promoted per
+// 128-column block with the 128x128 block scale (as gemv.cu).
+// The up kernel multiplies on wgmma (m64n8k32, e4m3 x e4m3 -> fp32): warpgroup mat = warps (mat, 0..3), whose decoded
+// weight codes are the register operand A as they are, and B (shared memory) holds x's four K quarters as columns 0-3,
+// so warp kq keeps column kq. (The forty-seventh pass: 0.4-1.2 us a layer faster in the decode graphs than the f16
+// mma.sync form below, which needs eight conversions per 32 weights, though the MoE pair alone measured 3.5 us slower,
+// not yet understood; 64-row warpgroups over one quarter, whose quarters met in a cluster of four CTAs or in one CTA
+// of 32 warps, were 2.5-7 us a layer slower: docs/performance.md.) sm_90 has no e4m3 mma.sync (ptxas
+// turns it into f16 MMAs, converting both operands at every call), so the down kernel converts the weight codes to f16
+// itself (exact) and keeps h in shared memory as the f16 of its e4m3 codes: two m16n8k16 f16 MMAs per 32 values.
 //
 // Layout trick for MXFP4: lane (g, t) copies 16 bytes (one 32-value group) of rows g and g+8; an MMA needs the same
 // group from all four lanes of a quad, so lane t reads word t of the group its quad's lane j copied (a 4x4 word
 // transpose through shared memory; slots rotated by g/2 so the reads hit 32 distinct banks). The 8 values of a word
 // feed k-slots 4t..4t+3 (even values) and 4t+16..4t+19 (odd), and x sits in shared memory permuted the same way
-// (per 8 values: evens, then odds). The checkpoint layout is read as is.
+// (the down kernel's h: per 8 values, evens then odds; the up kernel's B: put_codes). The checkpoint layout is read as
+// is.
 //
 // Programmatic dependent launch: the shared expert's weights are issued before griddepcontrol.wait. The routed
 // experts' addresses come from the router's output: moe_up_kernel (the router's dependent) loads them after its wait
 // and triggers its own dependent only then, so moe_down_kernel may issue its routed w2 loads before waiting on h.
+#include <type_traits>
+
 #include "common.h"
 #include "mhc_dev.h"
 #include "moe.h"
@@ -195,8 +204,7 @@ __device__ __forceinline__ void load_x(const Job& j, int nblk, int lane, XRegs& 
 // -> e4m3 codes (stored as the f16 of their values) + scales per 128 in the warp's shared memory (act_quant)
 // (blocks b0 .. b0 + nblk - 1 of the K range). Four blocks at a time, their amax reductions side by side (one shuffle
 // of each per step): block by block, each waiting on its own five shuffles, a routed down warp's 16 blocks took ~2 us
-// after h had arrived (%globaltimer stamps, 41st pass); all 16 side by side spill (80 registers). The up kernel's x
-// (when its codes do not come with it) keeps one block at a time (G = 1): four spill 8 bytes there.
+// after h had arrived (%globaltimer stamps, 41st pass); all 16 side by side spill (80 registers).
 template <bool FP4, int G = 4>
 __device__ __forceinline__ void quantize_x(const XRegs& r, int nblk, const WarpSmem& s, int lane, int b0 = 0) {
 #pragma unroll
@@ -237,85 +245,36 @@ __device__ __forceinline__ void quantize_x(const XRegs& r, int nblk, const WarpS
   __syncwarp();
 }
 
-// x of a warp's K range given as codes (a QuantAct's: act_quant's e4m3 bytes, 4 per lane per block, and the
-// block scales, lane b holding block b's), every load issued at once
-struct CodeRegs {
-  uint32_t v[kMaxXV / 128];
-  float s;
-};
-
-__device__ __forceinline__ void load_codes(const uint8_t* q, const float* qs, int nblk, int lane, CodeRegs& r) {
-#pragma unroll
-  for (int b = 0; b < kMaxXV / 128; ++b) {
-    if (b < nblk) r.v[b] = *reinterpret_cast<const uint32_t*>(q + b * 128 + lane * 4);
-  }
-  r.s = lane < nblk ? qs[lane] : 0.0f;
-}
-
-// -> the warp's shared memory as quantize_x leaves it (the same f16 values of the same codes, the same layout)
-template <bool FP4>
-__device__ __forceinline__ void store_codes(const CodeRegs& r, int nblk, const WarpSmem& s, int lane, int b0 = 0) {
-#pragma unroll
-  for (int b = 0; b < kMaxXV / 128; ++b) {
-    if (b >= nblk) break;
-    const uint32_t c = r.v[b];  // the codes of values 4L .. 4L + 3 (value 4L in the low byte)
-    if constexpr (FP4) {        // evens (4L, 4L + 2) and odds (4L + 1, 4L + 3), as quantize_x places them
-      const uint32_t eo = __byte_perm(c, 0u, 0x3120u);
-      uint16_t* p = s.xh + (b0 + b) * 128 + (lane >> 1) * 8 + (lane & 1) * 2;
-      *reinterpret_cast<uint32_t*>(p) = dev::e4m3_lo_f16x2(eo);
-      *reinterpret_cast<uint32_t*>(p + 4) = dev::e4m3_hi_f16x2(eo);
-    } else {
-      *reinterpret_cast<uint2*>(s.xh + (b0 + b) * 128 + lane * 4) =
-          make_uint2(dev::e4m3_lo_f16x2(c), dev::e4m3_hi_f16x2(c));
-    }
-  }
-  if (lane < nblk) s.xs[b0 + lane] = r.s;
-  __syncwarp();
-}
-
-// x of a warp's blocks (from j.x) on their way into its shared memory: quantized here (XQ false), or the codes the
-// kernel that wrote x made (a.xq) copied; load() issues the loads, store() leaves what quantize_x leaves
-template <bool XQ>
-struct XStage {
-  XRegs xr;
-  __device__ __forceinline__ void load(const MoeArgs&, const Job& j, int nblk, int lane) { load_x(j, nblk, lane, xr); }
-  template <bool FP4>
-  __device__ __forceinline__ void store(int nblk, const WarpSmem& s, int lane, int b0) {
-    quantize_x<FP4, 1>(xr, nblk, s, lane, b0);
-  }
-};
-
-template <>
-struct XStage<true> {
-  CodeRegs cr;
-  __device__ __forceinline__ void load(const MoeArgs& a, const Job& j, int nblk, int lane) {
-    const long long off = j.x - a.x;  // the K range's first column
-    load_codes(a.xq + off, a.xqs + off / 128, nblk, lane, cr);
-  }
-  template <bool FP4>
-  __device__ __forceinline__ void store(int nblk, const WarpSmem& s, int lane, int b0) {
-    store_codes<FP4>(cr, nblk, s, lane, b0);
-  }
-};
-
 // the job's 16 row sums for token 0 -> s.red[warp][0..15]. Every address a lane reads is its base plus a constant or
 // a per-chunk offset (nothing recomputed per group). x is read by every lane: the MMA's column g is token 0's x in
 // every column, and only column 0 (lanes t == 0) is kept.
+// A lane's MXFP4 reads in a warp's ring: word t of group q of row g in a step sits at slot g * 4 + ((q + g / 2) & 3)
+// (the rotation issue() wrote), row g + 8 512 bytes further, so a quad's four lanes read the four words of one group and
+// the warp 32 distinct banks; and its rows' E8M0 bytes (s.sc, [16 rows][groups])
+struct Fp4Reads {
+  const unsigned char* rrow;  // + ring slot * NSTEP * kStepB + step * kStepB + ro[q]: row g's word of group q
+  int ro[4];
+  const unsigned char* sc0p;  // + step * 4: row g's four scale bytes of the step
+  const unsigned char* sc1p;  // row g + 8's
+  __device__ __forceinline__ Fp4Reads(const Job& j, const WarpSmem& s, int lane) {
+    const int g = lane >> 2, t = lane & 3, ng = j.nsteps * 4;
+    rrow = reinterpret_cast<const unsigned char*>(s.ring) + g * 64 + t * 4;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) ro[q] = ((q + (g >> 1)) & 3) * 16;
+    sc0p = s.sc + g * ng;
+    sc1p = s.sc + (g + 8) * ng;
+  }
+};
+
 template <bool FP4>
 __device__ __forceinline__ void run(const Job& j, const Lane& l, const WarpSmem& s, int warp, int lane) {
   const int g = lane >> 2, t = lane & 3;
   float acc0 = 0.0f, acc1 = 0.0f;  // rows g, g + 8 (token 0 is the MMA column 0: lanes t == 0 hold it)
   int slot = 0;                    // c % NBUF
   if constexpr (FP4) {
-    // word t of group q of row g in a step: slot g * 4 + ((q + g / 2) & 3) (the rotation issue() wrote), row g + 8
-    // 512 bytes further; a quad's four lanes read the four words of one group, the warp 32 distinct banks
-    const int ng = j.nsteps * 4;
-    const unsigned char* rrow = reinterpret_cast<const unsigned char*>(s.ring) + g * 64 + t * 4;
-    int ro[4];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) ro[q] = ((q + (g >> 1)) & 3) * 16;
-    const unsigned char* sc0p = s.sc + g * ng;
-    const unsigned char* sc1p = s.sc + (g + 8) * ng;
+    const Fp4Reads rd(j, s, lane);
+    const unsigned char *rrow = rd.rrow, *sc0p = rd.sc0p, *sc1p = rd.sc1p;
+    const int* ro = rd.ro;
     const unsigned char* xt = reinterpret_cast<const unsigned char*>(s.xh) + t * 16;  // 8 f16 of group q: q * 64
     for (int c = 0; c < l.nchunk; ++c) {
       await_chunk(l, c, slot);
@@ -376,11 +335,144 @@ __device__ __forceinline__ void run(const Job& j, const Lane& l, const WarpSmem&
   }
 }
 
+// ---- the up kernel: wgmma with x's K quarters as B's columns ----
+// One wgmma m64n8k32 (e4m3, fp32 accumulation) per 32 values: warpgroup mat is
+// the four warps (mat, kq), the decoded weights of warp kq (16 rows, its K quarter) are the register operand A (the
+// e2m1 -> e4m3 codes of fp4_even / fp4_odd as they are, or the FP8 codes), and B holds x's four quarters as columns 0-3
+// (shared memory, k slots permuted as A's fragments take them), so warp kq keeps column kq (lanes t == kq / 2). Columns
+// 4-7 read the next 16 bytes and are never used. MXFP4: one wgmma per 32-value group, promoted with its E8M0 scale;
+// FP8: four into one sum per 128-column block, promoted with the block scale.
+constexpr int kXq = 64;  // B's bytes per 16 k slots: four quarters x 16 bytes
+
+// ring | scale bytes | x's codes as B (D bytes + one more 16-slot row) | x's scales (D / 128) | the row sums [8][16]
+constexpr int smem_up_bytes(int D) { return kWarps * (kRingU4 * 16 + kMaxSc) + D + kXq + (D / 128) * 4 + kWarps * 16 * 4; }
+
+__device__ __forceinline__ void wgmma_m64n8k32_rs(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                                  uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db), "r"(accumulate));
+}
+
+// B at shared address saddr, no swizzle: core matrices of 8 rows (columns n) x 16 bytes, rows 16 bytes apart, the
+// next 16 k slots kXq bytes further (both offsets kXq: only one core matrix along N)
+__device__ __forceinline__ uint64_t desc_xq(uint32_t saddr) {
+  return static_cast<uint64_t>((saddr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(kXq >> 4) << 16) |
+         (static_cast<uint64_t>(kXq >> 4) << 32);
+}
+
+// the 4 codes of lane L (values 4L .. 4L + 3 of block b of quarter kq, value 4L in the low byte) -> their k slots in
+// column kq. MXFP4, per 32-value group: word w's evens to slots 4w .., its odds to 16 + 4w .. (fp4_even / fp4_odd);
+// FP8, per 64 columns: lane t's 16 bytes of a row, columns 16t + 4i .. 16t + 4i + 3, to slot 4t of the i-th 16 slots
+template <bool FP4>
+__device__ __forceinline__ void put_codes(unsigned char* xb, int kq, int b, uint32_t c, int lane) {
+  unsigned char* col = xb + b * 8 * kXq + kq * 16;  // the block's 8 rows of 16 slots, column kq
+  if constexpr (FP4) {
+    const uint32_t eo = __byte_perm(c, 0u, 0x3120u);
+    unsigned char* p = col + (lane >> 3) * 2 * kXq + ((lane & 7) >> 1) * 4 + (lane & 1) * 2;
+    *reinterpret_cast<uint16_t*>(p) = static_cast<uint16_t>(eo & 0xFFFFu);
+    *reinterpret_cast<uint16_t*>(p + kXq) = static_cast<uint16_t>(eo >> 16);
+  } else {
+    *reinterpret_cast<uint32_t*>(col + ((lane >> 4) * 4 + (lane & 3)) * kXq + ((lane & 15) >> 2) * 4) = c;
+  }
+}
+
+// one warp's 16 row sums over its K quarter kq (token 0; lanes t == kq / 2 keep rows g, g + 8): xaddr = B's shared
+// address, xs = the quarter's block scales
+template <bool FP4>
+__device__ __forceinline__ void run_wgq(const Job& j, const Lane& l, const WarpSmem& s, uint32_t xaddr,
+                                        const float* xs, int kq, int lane, float& acc0, float& acc1) {
+  const bool odd = kq & 1;  // column kq: d[odd] (row g), d[2 + odd] (row g + 8)
+  acc0 = 0.0f, acc1 = 0.0f;
+  int slot = 0;
+  if constexpr (FP4) {
+    const Fp4Reads rd(j, s, lane);
+    const unsigned char *rrow = rd.rrow, *sc0p = rd.sc0p, *sc1p = rd.sc1p;
+    const int* ro = rd.ro;
+    const int fresh = l.nsteps < 0;  // 0, unknown to ptxas: a constant false scale-d serializes the wgmmas (C7511)
+    float d[4][4];
+    for (int c = 0; c < l.nchunk; ++c) {
+      await_chunk(l, c, slot);
+      const unsigned char* rc = rrow + slot * (NSTEP * kStepB);
+#pragma unroll
+      for (int st = 0; st < NSTEP; ++st) {
+        const int step = c * NSTEP + st;
+        if (step >= l.nsteps) break;
+        uint32_t a[4][4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const unsigned char* rq = rc + st * kStepB + ro[q];
+          const uint32_t w0 = *reinterpret_cast<const uint32_t*>(rq);
+          const uint32_t w1 = *reinterpret_cast<const uint32_t*>(rq + 512);
+          a[q][0] = fp4_even(w0), a[q][1] = fp4_even(w1), a[q][2] = fp4_odd(w0), a[q][3] = fp4_odd(w1);
+        }
+        dev::wgmma_fence();
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          wgmma_m64n8k32_rs(d[q], a[q][0], a[q][1], a[q][2], a[q][3], desc_xq(xaddr + (step * 4 + q) * 2 * kXq), fresh);
+        }
+        dev::wgmma_commit();
+        const uint32_t sc0 = *reinterpret_cast<const uint32_t*>(sc0p + step * 4);
+        const uint32_t sc1 = *reinterpret_cast<const uint32_t*>(sc1p + step * 4);
+        const float fx = xs[step] * 64.0f;
+        dev::wgmma_wait0();
+#pragma unroll
+        for (int q = 0; q < 4; ++q) dev::fence_acc(d[q]);
+        acc0 += (odd ? d[0][1] : d[0][0]) * (e8m0<0>(sc0) * fx);
+        acc1 += (odd ? d[0][3] : d[0][2]) * (e8m0<0>(sc1) * fx);
+        acc0 += (odd ? d[1][1] : d[1][0]) * (e8m0<1>(sc0) * fx);
+        acc1 += (odd ? d[1][3] : d[1][2]) * (e8m0<1>(sc1) * fx);
+        acc0 += (odd ? d[2][1] : d[2][0]) * (e8m0<2>(sc0) * fx);
+        acc1 += (odd ? d[2][3] : d[2][2]) * (e8m0<2>(sc1) * fx);
+        acc0 += (odd ? d[3][1] : d[3][0]) * (e8m0<3>(sc0) * fx);
+        acc1 += (odd ? d[3][3] : d[3][2]) * (e8m0<3>(sc1) * fx);
+      }
+      slot = slot == NBUF - 1 ? 0 : slot + 1;
+    }
+  } else {  // one 128-column block per chunk: four wgmmas into one sum, promoted with the block scale
+    const float* bs = reinterpret_cast<const float*>(j.sc);
+    float d[4];
+    for (int c = 0; c < l.nchunk; ++c) {
+      await_chunk(l, c, slot);
+      const unsigned char* wc = l.slot0 + slot * (NSTEP * kStepB);
+      uint4 wa[NSTEP], wb[NSTEP];
+#pragma unroll
+      for (int st = 0; st < NSTEP; ++st) {
+        wa[st] = *reinterpret_cast<const uint4*>(wc + st * kStepB);
+        wb[st] = *reinterpret_cast<const uint4*>(wc + st * kStepB + 512);
+      }
+      dev::wgmma_fence();
+#pragma unroll
+      for (int st = 0; st < NSTEP; ++st) {
+        const uint32_t xa = xaddr + ((c * NSTEP + st) * 4) * kXq;
+        wgmma_m64n8k32_rs(d, wa[st].x, wb[st].x, wa[st].y, wb[st].y, desc_xq(xa), st);
+        wgmma_m64n8k32_rs(d, wa[st].z, wb[st].z, wa[st].w, wb[st].w, desc_xq(xa + 2 * kXq), 1);
+      }
+      dev::wgmma_commit();
+      const float f = __ldg(bs + c) * xs[c];
+      dev::wgmma_wait0();
+      dev::fence_acc(d);
+      acc0 += (odd ? d[1] : d[0]) * f;
+      acc1 += (odd ? d[3] : d[2]) * f;
+      slot = slot == NBUF - 1 ? 0 : slot + 1;
+    }
+  }
+}
+
 template <bool XQ>
 __global__ void __launch_bounds__(kThreads, 3) moe_up_kernel(const MoeArgs a) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const WarpSmem s = carve(smem, warp, a.D / 4);
+  const int kw = a.D / 4, nq = kw / 128;  // a quarter's columns and blocks
+  unsigned char* xb = smem + kWarps * (kRingU4 * 16 + kMaxSc);
+  float* xs = reinterpret_cast<float*>(xb + a.D + kXq);
+  float* red = xs + a.D / 128;
+  WarpSmem s;
+  s.ring = reinterpret_cast<uint4*>(smem) + warp * kRingU4;
+  s.sc = smem + kWarps * kRingU4 * 16 + warp * kMaxSc;
+  s.red = red;
   const int groups = a.I / 16;
   const int nshared = a.has_shared ? groups : 0;
   const int bid = static_cast<int>(blockIdx.x);
@@ -389,24 +481,54 @@ __global__ void __launch_bounds__(kThreads, 3) moe_up_kernel(const MoeArgs a) {
   const int slot = shared ? a.k : q / groups;
   const int row0 = (q % groups) * 16;
   const int mat = warp >> 2, kq = warp & 3;  // w1 / w3, quarter of K
-  const int kw = a.D / 4;
-  // warps kq (w1) and kq + 4 (w3) read the same x quarter: each quantizes half of its blocks into warp kq's x
-  // region, then the pair meets at named barrier 1 + kq
-  const int half = kw / 256, b0 = mat * half;
-  WarpSmem sx = s;
-  const WarpSmem owner = carve(smem, kq, a.D / 4);
-  sx.xh = owner.xh;
-  sx.xs = owner.xs;
-  auto pair_sync = [&]() {  // literal barrier ids: ptxas reserves only the ones named
-    switch (kq) {
-      case 0: asm volatile("bar.sync 1, 64;" ::: "memory"); break;
-      case 1: asm volatile("bar.sync 2, 64;" ::: "memory"); break;
-      case 2: asm volatile("bar.sync 3, 64;" ::: "memory"); break;
-      default: asm volatile("bar.sync 4, 64;" ::: "memory"); break;
+  // warps kq (w1) and kq + 4 (w3) stage half of quarter kq's blocks each: b0 .. b0 + half - 1
+  const int half = nq / 2, b0 = mat * half;
+  uint32_t codes[kMaxXV / 256];
+  float bsc = 0.0f;  // lane i < half: block b0 + i's scale
+  auto load_x = [&]() {  // every load issued before the first is used (one L2 round trip)
+    const long long off = static_cast<long long>(kq) * kw + b0 * 128;
+    if constexpr (XQ) {
+#pragma unroll
+      for (int i = 0; i < kMaxXV / 256; ++i) {
+        if (i < half) codes[i] = *reinterpret_cast<const uint32_t*>(a.xq + off + i * 128 + lane * 4);
+      }
+      if (lane < half) bsc = a.xqs[off / 128 + lane];
+    } else {  // act_quant, block by block
+      uint2 v[kMaxXV / 256];
+#pragma unroll
+      for (int i = 0; i < kMaxXV / 256; ++i) {
+        if (i < half) v[i] = *reinterpret_cast<const uint2*>(a.x + off + i * 128 + lane * 4);
+      }
+#pragma unroll
+      for (int i = 0; i < kMaxXV / 256; ++i) {
+        if (i < half) {
+          const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v[i].x));
+          const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v[i].y));
+          const float amax = dev::warp_max(fmaxf(fmaxf(fabsf(lo.x), fabsf(lo.y)), fmaxf(fabsf(hi.x), fabsf(hi.y))));
+          float sc, inv;
+          ue8m0_scale(amax, sc, inv);
+          codes[i] = e4m3x2_code(lo.x, lo.y, inv) | (e4m3x2_code(hi.x, hi.y, inv) << 16);
+          if (lane == i) bsc = sc;
+        }
+      }
     }
   };
+  auto store_x = [&](auto fp4) {
+    constexpr bool FP4 = decltype(fp4)::value;
+#pragma unroll
+    for (int i = 0; i < kMaxXV / 256; ++i) {
+      if (i < half) put_codes<FP4>(xb, kq, b0 + i, codes[i], lane);
+    }
+    if (lane < half) xs[kq * nq + b0 + lane] = bsc;
+    if (threadIdx.x < kXq / 4) reinterpret_cast<uint32_t*>(xb + a.D)[threadIdx.x] = 0u;  // read as columns 4-7
+    dev::fence_proxy_async();
+    __syncthreads();  // every quarter of B in place for both warpgroups
+  };
+  const uint32_t xaddr = static_cast<uint32_t>(__cvta_generic_to_shared(xb));
+  // B's block b of quarter kq sits at b * 8 * kXq: a quarter's blocks are interleaved with the others' by column, so
+  // quarter kq's block b is B's block b, column kq (put_codes), and a warp walks B from its start
   Job j;
-  j.x = a.x + kq * kw + b0 * 128;
+  float acc0, acc1;
   if (shared) {
     j.w = (mat ? a.v3 : a.v1) + static_cast<long long>(row0) * a.D + kq * kw;
     j.ld = a.D;
@@ -416,17 +538,14 @@ __global__ void __launch_bounds__(kThreads, 3) moe_up_kernel(const MoeArgs a) {
     const Lane l = lane_of(j, s, lane);
     prefetch<false>(j, l, s, lane);
     dev::griddep_wait();
-    dev::griddep_launch_dependents();  // after the wait: see moe_down_kernel
-    XStage<XQ> xs;
-    xs.load(a, j, half, lane);
-    xs.template store<false>(half, sx, lane, b0);
-    pair_sync();
-    run<false>(j, l, sx, warp, lane);
+    dev::griddep_launch_dependents();
+    load_x();
+    store_x(std::false_type());
+    run_wgq<false>(j, l, s, xaddr, xs + kq * nq, kq, lane, acc0, acc1);
   } else {
     dev::griddep_wait();
     dev::griddep_launch_dependents();
-    XStage<XQ> xs;
-    xs.load(a, j, half, lane);  // in flight with the expert id
+    load_x();
     const long long e = a.idx[slot];
     const long long r = e * a.I + row0;
     j.w = (mat ? a.w3 : a.w1) + r * (a.D / 2) + kq * kw / 2;
@@ -436,9 +555,12 @@ __global__ void __launch_bounds__(kThreads, 3) moe_up_kernel(const MoeArgs a) {
     j.nsteps = kw / 128;
     const Lane l = lane_of(j, s, lane);
     prefetch<true>(j, l, s, lane);
-    xs.template store<true>(half, sx, lane, b0);
-    pair_sync();
-    run<true>(j, l, sx, warp, lane);
+    store_x(std::true_type());
+    run_wgq<true>(j, l, s, xaddr, xs + kq * nq, kq, lane, acc0, acc1);
+  }
+  if ((lane & 3) == (kq >> 1)) {
+    red[warp * 16 + (lane >> 2)] = acc0;
+    red[warp * 16 + (lane >> 2) + 8] = acc1;
   }
   __syncthreads();
   if (threadIdx.x < 16) {
@@ -446,8 +568,8 @@ __global__ void __launch_bounds__(kThreads, 3) moe_up_kernel(const MoeArgs a) {
     float gate = 0.0f, up = 0.0f;
 #pragma unroll
     for (int w = 0; w < 4; ++w) {
-      gate += s.red[w * 16 + r];
-      up += s.red[(4 + w) * 16 + r];
+      gate += red[w * 16 + r];
+      up += red[(4 + w) * 16 + r];
     }
     gate = bf16_round(gate);
     up = bf16_round(up);
@@ -713,7 +835,7 @@ cudaError_t moe_decode_launch(const MoeArgs& a, bool pdl, cudaStream_t stream) {
   // the next pre's finish stages the new streams' row and the norm weight (10 D bytes) in the down kernel's shared memory
   if (a.nfn != nullptr && 10 * a.D > smem_bytes(a.I)) return cudaErrorInvalidValue;
   const int up = (a.has_shared ? a.I / 16 : 0) + a.k * (a.I / 16);
-  cudaError_t e = launch(a.xq != nullptr ? moe_up_kernel<true> : moe_up_kernel<false>, a, up, smem_bytes(a.D / 4), pdl,
+  cudaError_t e = launch(a.xq != nullptr ? moe_up_kernel<true> : moe_up_kernel<false>, a, up, smem_up_bytes(a.D), pdl,
                          stream);
   if (e != cudaSuccess) return e;
   return launch(a.nfn != nullptr ? moe_down_kernel<true> : moe_down_kernel<false>, a, a.D / kCols, smem_bytes(a.I), pdl,
