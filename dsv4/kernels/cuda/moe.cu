@@ -31,10 +31,11 @@
 // 128-column block with the 128x128 block scale (as gemv.cu).
 // The up kernel multiplies on wgmma (m64n8k32, e4m3 x e4m3 -> fp32): warpgroup mat = warps (mat, 0..3), whose decoded
 // weight codes are the register operand A as they are, and B (shared memory) holds x's four K quarters as columns 0-3,
-// so warp kq keeps column kq. (The forty-seventh pass: 0.4-1.2 us a layer faster in the decode graphs than the f16
-// mma.sync form below, which needs eight conversions per 32 weights, though the MoE pair alone measured 3.5 us slower,
-// not yet understood; 64-row warpgroups over one quarter, whose quarters met in a cluster of four CTAs or in one CTA
-// of 32 warps, were 2.5-7 us a layer slower: docs/performance.md.) sm_90 has no e4m3 mma.sync (ptxas
+// so warp kq keeps column kq. (The forty-seventh pass: 0.4-1.2 us a layer faster in the decode graphs than the up
+// kernel's earlier f16 mma.sync form, the down kernel's below, which needs eight conversions per 32 weights, though the
+// MoE pair alone measured 3.5 us slower, not yet understood; 64-row warpgroups over one quarter, whose quarters met in
+// a cluster of four CTAs or in one CTA of 32 warps, were 2-7 us a layer slower: docs/performance.md.) sm_90 has no
+// e4m3 mma.sync (ptxas
 // turns it into f16 MMAs, converting both operands at every call), so the down kernel converts the weight codes to f16
 // itself (exact) and keeps h in shared memory as the f16 of its e4m3 codes: two m16n8k16 f16 MMAs per 32 values.
 //
@@ -77,7 +78,7 @@ constexpr int kRingU4 = NBUF * NSTEP * kStepB / 16;  // 16-byte slots of one war
 constexpr int kMaxXV = 2048;                     // x values per warp (its K range), at most
 constexpr int kMaxSc = 1024;                     // E8M0 bytes per warp (16 rows x its groups)
 
-// dynamic shared memory of a CTA whose warps hold xv x values each (as f16)
+// dynamic shared memory of a down CTA whose warps hold xv values of h each (as f16)
 constexpr int smem_bytes(int xv) { return kWarps * (kRingU4 * 16 + 2 * xv + 16 * 4 + kMaxSc + 16 * 4); }
 
 // e2m1 nibbles -> e4m3 codes of e2m1 * 2^-6: the even (low) nibbles of the 4 bytes, and the odd (high) ones
@@ -188,7 +189,7 @@ __device__ __forceinline__ void prefetch(const Job& j, const Lane& l, const Warp
   for (int c = 0; c < NBUF - 1; ++c) issue(l, c, c);
 }
 
-// x of a warp's K range (<= 2048 values: 16 blocks of 128), 4 values per lane per block, every load issued at once
+// h (x) of a down warp's K range (<= 2048 values: 16 blocks of 128), 4 values per lane per block, every load issued at once
 // (one L2 round trip, not one per block)
 struct XRegs {
   uint2 v[kMaxXV / 128];
@@ -245,9 +246,6 @@ __device__ __forceinline__ void quantize_x(const XRegs& r, int nblk, const WarpS
   __syncwarp();
 }
 
-// the job's 16 row sums for token 0 -> s.red[warp][0..15]. Every address a lane reads is its base plus a constant or
-// a per-chunk offset (nothing recomputed per group). x is read by every lane: the MMA's column g is token 0's x in
-// every column, and only column 0 (lanes t == 0) is kept.
 // A lane's MXFP4 reads in a warp's ring: word t of group q of row g in a step sits at slot g * 4 + ((q + g / 2) & 3)
 // (the rotation issue() wrote), row g + 8 512 bytes further, so a quad's four lanes read the four words of one group and
 // the warp 32 distinct banks; and its rows' E8M0 bytes (s.sc, [16 rows][groups])
@@ -266,6 +264,9 @@ struct Fp4Reads {
   }
 };
 
+// (the down kernel) the job's 16 row sums for token 0 -> s.red[warp][0..15]. Every address a lane reads is its base
+// plus a constant or a per-chunk offset (nothing recomputed per group). h is read by every lane: the MMA's column g is
+// token 0's h in every column, and only column 0 (lanes t == 0) is kept.
 template <bool FP4>
 __device__ __forceinline__ void run(const Job& j, const Lane& l, const WarpSmem& s, int warp, int lane) {
   const int g = lane >> 2, t = lane & 3;
@@ -340,7 +341,7 @@ __device__ __forceinline__ void run(const Job& j, const Lane& l, const WarpSmem&
 // the four warps (mat, kq), the decoded weights of warp kq (16 rows, its K quarter) are the register operand A (the
 // e2m1 -> e4m3 codes of fp4_even / fp4_odd as they are, or the FP8 codes), and B holds x's four quarters as columns 0-3
 // (shared memory, k slots permuted as A's fragments take them), so warp kq keeps column kq (lanes t == kq / 2). Columns
-// 4-7 read the next 16 bytes and are never used. MXFP4: one wgmma per 32-value group, promoted with its E8M0 scale;
+// 4-7 read the next 16-slot row (the four quarters' next 16 bytes) and are never used. MXFP4: one wgmma per 32-value group, promoted with its E8M0 scale;
 // FP8: four into one sum per 128-column block, promoted with the block scale.
 constexpr int kXq = 64;  // B's bytes per 16 k slots: four quarters x 16 bytes
 
@@ -391,7 +392,9 @@ __device__ __forceinline__ void run_wgq(const Job& j, const Lane& l, const WarpS
     const Fp4Reads rd(j, s, lane);
     const unsigned char *rrow = rd.rrow, *sc0p = rd.sc0p, *sc1p = rd.sc1p;
     const int* ro = rd.ro;
-    const int fresh = l.nsteps < 0;  // 0, unknown to ptxas: a constant false scale-d serializes the wgmmas (C7511)
+    // scale-d 0 (every group its own sum) from a value ptxas cannot prove zero: with a literal 0 an earlier form of this
+    // loop had its wgmmas serialized (C7511); this one compiles either way (66 registers, 68 with the literal)
+    const int fresh = l.nsteps < 0;
     float d[4][4];
     for (int c = 0; c < l.nchunk; ++c) {
       await_chunk(l, c, slot);
