@@ -333,7 +333,15 @@ def moe_cases(dev, randn):
         x = randn(M, D, dtype=torch.bfloat16)
         ids = torch.zeros(M, dtype=torch.int64, device=dev)
         return (x, gate, bias, None, ids, "sqrtsoftplus", k, True, 1.5), _nbytes(gate, bias, x)
-    cases = {"moe_experts": ("moe_experts", make_experts), "router": ("router", make_router)}
+    def make_experts_xq(M):  # x with its FP8 codes, as the FFN's mHC boundary hands them to the experts
+        from dsv4.ops.act_quant import quant_act_ref
+
+        (x, *rest), moved = make_experts(M)
+        qa = quant_act_ref(x)
+        return (qa, *rest), moved - _nbytes(x) + _nbytes(qa.q, qa.s)
+
+    cases = {"moe_experts": ("moe_experts", make_experts), "moe_experts.xq": ("moe_experts", make_experts_xq),
+             "router": ("router", make_router)}
     try:  # the Triton experts beside the dispatching fast op (CUDA for one MXFP4 token): A/B in the same run
         from dsv4.ops import moe_triton
         cases["moe_experts.triton"] = ("moe_experts", make_experts, moe_triton.moe_experts)
@@ -545,7 +553,7 @@ def main(argv=None) -> int:
                  + [c[0] + ".xq" for c in LINEARS if c[0].startswith("wq_b")]
                  + ["q_norm+" + c[0] for c in LINEARS if c[0].startswith("wq_b")] + ["q_norm", "q_norm+quant"]
                  + ["wo_a", "wo_a.bf16", "mhc_pre_norm", "mhc_post_pre_norm", "mhc_pre_norm.triton",
-                    "mhc_post_pre_norm.triton", "head", "moe_experts",
+                    "mhc_post_pre_norm.triton", "head", "moe_experts", "moe_experts.xq",
                     "moe_experts.triton", "router", "router.triton", "mhc_post_pre_norm+router",
                     "mhc_post_pre_norm+router.triton"]
                  + [n + t for n, _, _ in ATTN for t in ("", ".triton")]
