@@ -101,6 +101,16 @@ def test_repeated_expert_and_no_clamp():
     _check(args, limit=0.0)
 
 
+def test_widest_hidden():
+    """D = 8192, the widest the kernels take: a K quarter of 2048 values, 16 blocks, half of them staged by each warp of
+    a pair; within tolerance of the reference with x quantized in the up kernel, and its codes given: the same bits."""
+    from dsv4.ops.act_quant import quant_act_ref
+
+    x, wts, idx, w1, w2, w3, sh = _case(8192, 512, 4, 2, seed=24)
+    y = _check((x, wts, idx, w1, w2, w3, sh))
+    assert_bitwise_equal(_mc().moe_decode(quant_act_ref(x), wts, idx, w1, w2, w3, sh, 10.0), y, "codes given")
+
+
 def test_clamp_binds():
     """Large activations: gate and up exceed the clamp, so the clamp decides the result."""
     x, wts, idx, w1, w2, w3, sh = _case(2048, 512, 8, 6, seed=22)
