@@ -341,8 +341,8 @@ __device__ __forceinline__ void run(const Job& j, const Lane& l, const WarpSmem&
 // the four warps (mat, kq), the decoded weights of warp kq (16 rows, its K quarter) are the register operand A (the
 // e2m1 -> e4m3 codes of fp4_even / fp4_odd as they are, or the FP8 codes), and B holds x's four quarters as columns 0-3
 // (shared memory, k slots permuted as A's fragments take them), so warp kq keeps column kq (lanes t == kq / 2). Columns
-// 4-7 read the next 16-slot row (the four quarters' next 16 bytes) and are never used. MXFP4: one wgmma per 32-value group, promoted with its E8M0 scale;
-// FP8: four into one sum per 128-column block, promoted with the block scale.
+// 4-7 read the next 16-slot row (the four quarters' next 16 bytes) and are never used. MXFP4: one wgmma per 32-value
+// group, promoted with its E8M0 scale; FP8: four into one sum per 128-column block, promoted with the block scale.
 constexpr int kXq = 64;  // B's bytes per 16 k slots: four quarters x 16 bytes
 
 // ring | scale bytes | x's codes as B (D bytes + one more 16-slot row) | x's scales (D / 128) | the row sums [8][16]
@@ -541,7 +541,7 @@ __global__ void __launch_bounds__(kThreads, 3) moe_up_kernel(const MoeArgs a) {
     const Lane l = lane_of(j, s, lane);
     prefetch<false>(j, l, s, lane);
     dev::griddep_wait();
-    dev::griddep_launch_dependents();
+    dev::griddep_launch_dependents();  // after the wait: see moe_down_kernel
     load_x();
     store_x(std::false_type());
     run_wgq<false>(j, l, s, xaddr, xs + kq * nq, kq, lane, acc0, acc1);
