@@ -32,12 +32,14 @@
 // The up kernel multiplies on wgmma (m64n8k32, e4m3 x e4m3 -> fp32): warpgroup mat = warps (mat, 0..3), whose decoded
 // weight codes are the register operand A as they are, and B (shared memory) holds x's four K quarters as columns 0-3,
 // so warp kq keeps column kq. (The forty-seventh pass: 0.4-1.2 us a layer faster in the decode graphs than the up
-// kernel's earlier f16 mma.sync form, the down kernel's below, which needs eight conversions per 32 weights, though the
-// MoE pair alone measured 3.5 us slower, not yet understood; 64-row warpgroups over one quarter, whose quarters met in
-// a cluster of four CTAs or in one CTA of 32 warps, were 2-7 us a layer slower: docs/performance.md.) sm_90 has no
-// e4m3 mma.sync (ptxas
-// turns it into f16 MMAs, converting both operands at every call), so the down kernel converts the weight codes to f16
-// itself (exact) and keeps h in shared memory as the f16 of its e4m3 codes: two m16n8k16 f16 MMAs per 32 values.
+// kernel's earlier f16 mma.sync form, the down kernel's below, which needs eight conversions per 32 weights; the pair
+// alone with x's codes given, as the layers run it, 0.8 us faster, and ~2 us slower only where the up kernel quantizes
+// x itself, which no decode graph does (forty-eighth pass); 64-row warpgroups over one quarter, whose quarters met in a
+// cluster of four CTAs or in one CTA of 32 warps, were 2-7 us a layer slower: docs/performance.md.) sm_90 has no e4m3
+// mma.sync (ptxas turns it into f16 MMAs, converting both operands at every call), so the down kernel converts the
+// weight codes to f16 itself (exact) and keeps h in shared memory as the f16 of its e4m3 codes: two m16n8k16 f16 MMAs
+// per 32 values. (The same wgmma trick in the down kernel, the experts' h as B's columns, was timed and refuted in the
+// forty-eighth pass: 0.3-1.2 us a layer slower at two CTAs per SM, 6.4 at three.)
 //
 // Layout trick for MXFP4: lane (g, t) copies 16 bytes (one 32-value group) of rows g and g+8; an MMA needs the same
 // group from all four lanes of a quad, so lane t reads word t of the group its quad's lane j copied (a 4x4 word
