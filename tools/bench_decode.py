@@ -27,7 +27,10 @@ computes that input and nothing reads it).
 --layer-us N times each layer's decode graph to 0.1 us (the median of 7 runs of N back-to-back replays: the yardstick
 for one kernel change, where the 0.01 ms rows do not resolve it); --timeline prints, per layer kind, every kernel of
 the layer's graph as its replays run them (start and end), which shows what overlaps what (at ctx-1, and at ctx-2
-for the layer kinds whose step there replays their other schedule, the compressors deferred).
+for the layer kinds whose step there replays their other schedule, the compressors deferred); --launches prints
+each of those kernels' launch (CTAs, threads, registers, shared memory) with the CTAs an SM holds, and marks a kernel
+of one wave whose CTAs can crowd onto fewer SMs than an even spread needs ("pile": launched programmatically into a
+busy device, its CTAs land on the SMs that free up first).
 """
 
 from __future__ import annotations
@@ -372,6 +375,102 @@ def project_prefill(pf: dict, cfg, kinds: dict, tokens: int) -> dict:
     return pf
 
 
+# what one SM holds (sm_80 / sm_90; the device's own figures replace these where torch reports them)
+SM_DEFAULT = {"threads": 2048, "regs": 65536, "smem": 233472, "ctas": 32}
+SMEM_RESERVED = 1024  # shared memory the driver reserves per CTA (sm_80+)
+
+
+def sm_limits(device) -> dict:
+    """Per-SM capacities of a CUDA device: SM count, threads, registers, shared memory (bytes), CTAs."""
+    import torch
+
+    pr = torch.cuda.get_device_properties(device)
+    lim = dict(SM_DEFAULT, sms=pr.multi_processor_count)
+    for key, attr in (("threads", "max_threads_per_multi_processor"), ("regs", "regs_per_multiprocessor"),
+                      ("smem", "shared_memory_per_multiprocessor")):
+        lim[key] = int(getattr(pr, attr, 0) or lim[key])
+    return lim
+
+
+def ctas_per_sm(threads: int, regs: int, smem: int, sm: dict) -> tuple[int, str]:
+    """How many CTAs of a launch one SM holds at once, and the resource that sets it ("threads", "regs", "smem",
+    "ctas"): the occupancy calculator's arithmetic for sm_80 / sm_90 (a warp's registers allocated in units of 256,
+    shared memory in units of 128 plus SMEM_RESERVED per CTA). threads per CTA, registers per thread, shared memory
+    per CTA (static + dynamic, bytes). Clusters are not counted."""
+    warps = -(-threads // 32)
+    by = {"ctas": sm["ctas"], "threads": sm["threads"] // (warps * 32)}
+    if regs:
+        by["regs"] = (sm["regs"] // (-(-regs * 32 // 256) * 256)) // warps
+    by["smem"] = sm["smem"] // (-(-smem // 128) * 128 + SMEM_RESERVED)
+    limit = min(by, key=lambda k: (by[k], k == "ctas"))
+    return by[limit], limit
+
+
+def launch_configs(trace: dict) -> list[dict]:
+    """The kernels of a profiler trace (torch.profiler's export_chrome_trace: kineto's kernel events) in start order,
+    each with its name, CTAs, threads per CTA, registers per thread and shared memory per CTA (static + dynamic)."""
+    def size(v):
+        if isinstance(v, (list, tuple)):
+            n = 1
+            for x in v:
+                n *= int(x)
+            return n
+        return int(v) if v is not None else 0
+
+    ks = sorted((e for e in trace.get("traceEvents", []) if str(e.get("cat", "")).lower() == "kernel"),
+                key=lambda e: e.get("ts", 0))
+    out = []
+    for e in ks:
+        a = e.get("args", {})
+        out.append({"kernel": short_kernel_name(e.get("name", "")), "ctas": size(a.get("grid")),
+                    "threads": size(a.get("block")), "regs": int(a.get("registers per thread", 0)),
+                    "smem": int(a.get("shared memory", 0))})
+    return out
+
+
+def launch_rows(kernels: list[dict], sm: dict) -> list[dict]:
+    """Per kernel: CTAs an SM holds (`per_sm`, `limit`), waves over the device, the CTAs per SM of an even spread
+    (`even`) and the fewest SMs its CTAs can sit on (`min_sms`). `pile`: a kernel of one wave or less whose SMs take
+    more CTAs than an even spread needs, so that, launched while its predecessor still holds most SMs (programmatic
+    launch), its CTAs can crowd onto the SMs that free up first (the forty-eighth pass: the decode experts' down
+    kernel at three CTAs per SM instead of two, +6.4 us a layer)."""
+    rows = []
+    for k in kernels:
+        per_sm, limit = ctas_per_sm(k["threads"], k["regs"], k["smem"], sm) if k["threads"] else (0, "?")
+        r = dict(k, per_sm=per_sm, limit=limit)
+        if per_sm and k["ctas"]:
+            r["waves"] = k["ctas"] / (per_sm * sm["sms"])
+            r["even"] = -(-k["ctas"] // sm["sms"])
+            r["min_sms"] = -(-k["ctas"] // per_sm)
+            r["pile"] = r["waves"] <= 1.0 and per_sm > r["even"]
+        rows.append(r)
+    return rows
+
+
+def graph_launches(graph, device) -> list[dict]:
+    """The launch configuration of every kernel of one captured graph (one replay under the profiler; its trace's
+    kernel events: launch_configs)."""
+    import os
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.cuda.device(device):
+        graph.replay()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            graph.replay()
+            torch.cuda.synchronize()
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        return launch_configs(json.loads(Path(path).read_text()))
+    finally:
+        os.unlink(path)
+
+
 def short_kernel_name(name: str) -> str:
     """A kernel's name without namespaces, template arguments or parameters ("void dsv4::(anonymous
     namespace)::gemv_kernel<1, 2, false>(dsv4::GemvArgs)" -> "gemv_kernel")."""
@@ -425,6 +524,10 @@ def main(argv=None) -> int:
                    help="also print the kernels of one layer's decode graph per layer kind as its replays run them "
                         "(start and end of each, median of 5 replays: what overlaps what; at ctx-2 too where a layer "
                         "defers its compressors there)")
+    p.add_argument("--launches", action="store_true",
+                   help="also print the launch of every kernel of one layer's decode graph per layer kind (at ctx-1): "
+                        "CTAs, threads, registers, shared memory, the CTAs an SM holds (occupancy arithmetic) and "
+                        "'pile' where a kernel of one wave can crowd onto fewer SMs than an even spread needs")
     p.add_argument("--no-defer", action="store_true",
                    help="one decode schedule per layer: the compressors always run ahead of the attention (by default "
                         "a step that closes none of an HCA layer's compressor windows runs them beside it: "
@@ -527,6 +630,15 @@ def main(argv=None) -> int:
                         tl[spec_i.attn] = {"layer": i, "kernels": graph_timeline(runner.layer_graph(i, ctx - 1),
                                                                                  runner.devices[i])}
                 row["timeline"] = tl
+            if mode == "graph" and args.launches:
+                seen, ln = set(), {}
+                for i, spec_i in enumerate(cfg.layers):
+                    if spec_i.attn not in seen:
+                        seen.add(spec_i.attn)
+                        ln[spec_i.attn] = {"layer": i, "kernels": launch_rows(
+                            graph_launches(runner.layer_graph(i, ctx - 1), runner.devices[i]),
+                            sm_limits(runner.devices[i]))}
+                row["launches"] = ln
             if mode == "graph" and args.profile:
                 seen, prof = set(), {}
                 for i, spec_i in enumerate(cfg.layers):
@@ -646,6 +758,19 @@ def main(argv=None) -> int:
             for k in ks:
                 print(f"    {k['start_us']:7.1f} -> {k['end_us']:7.1f}  ({k['end_us'] - k['start_us']:5.1f})  "
                       f"{k['kernel']}")
+    for r in results:
+        for kind, ln in r.get("launches", {}).items():
+            print(f"\nlaunches ctx {r['context']} (ctx-1) {kind} (layer {ln['layer']}): per kernel in start order, its "
+                  f"CTAs and threads, registers per thread, shared memory per CTA, the CTAs an SM holds and what sets "
+                  f"that, waves, the CTAs per SM of an even spread and (one wave or less) the fewest SMs its CTAs fit on")
+            print(f"    {'kernel':<40} {'CTAs':>5} {'thr':>4} {'regs':>4} {'smem KB':>7} {'/SM':>3} {'by':<7} "
+                  f"{'waves':>5} {'even':>4} {'min SMs':>7}")
+            for k in ln["kernels"]:
+                waves = f"{k['waves']:.2f}" if "waves" in k else ""
+                print(f"    {k['kernel']:<40} {k['ctas']:>5} {k['threads']:>4} {k['regs']:>4} {k['smem'] / 1024:>7.1f} "
+                      f"{k['per_sm']:>3} {k['limit']:<7} {waves:>5} {k.get('even', ''):>4} "
+                      f"{k['min_sms'] if k.get('waves', 2.0) <= 1.0 else '':>7}"
+                      f"{'  pile' if k.get('pile') else ''}")
     if args.prefill:
         chunk = results[0]["prefill"]["chunk"]
         print(f"\nprefill of a {args.prefill}-token prompt ending at the context, chunks of {chunk} tokens: eager, and "

@@ -1,0 +1,59 @@
+"""tools/bench_decode.py's launch report (--launches): the occupancy arithmetic, the trace's kernel events, the rows."""
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("bench_decode", ROOT / "tools" / "bench_decode.py")
+bd = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bd)
+
+H200 = dict(bd.SM_DEFAULT, sms=132)
+
+
+def test_ctas_per_sm_follows_each_resource():
+    # the decode experts' down kernel as the tree builds it: 72 registers, 91 KB of dynamic + 384 B of static shared
+    # memory -> shared memory allows two (2 x 92,544 B; three would need 277,632)
+    assert bd.ctas_per_sm(256, 72, 91136 + 384, H200) == (2, "smem")
+    # its wgmma form (48th pass): 74,752 + 384 B fit three; at 80 registers a warp takes 2,560 -> 25 warps, 3 CTAs;
+    # at 82 it takes 2,816 (units of 256) -> 23 warps, 2 CTAs
+    assert bd.ctas_per_sm(256, 80, 74752 + 384, H200)[0] == 3
+    assert bd.ctas_per_sm(256, 82, 74752 + 384, H200) == (2, "regs")
+    assert bd.ctas_per_sm(256, 0, 74752 + 384 + 2048, H200) == (2, "smem")  # 3 x 78,208 > 233,472
+    assert bd.ctas_per_sm(1024, 32, 0, H200) == (2, "threads")
+    assert bd.ctas_per_sm(32, 16, 0, H200) == (32, "ctas")
+    assert bd.ctas_per_sm(33, 16, 0, H200) == (32, "threads")  # 2 warps: 32 CTAs take 2,048 threads (a tie names
+    # the resource, not the CTA cap)
+    assert bd.ctas_per_sm(256, 255, 0, H200) == (1, "regs")
+
+
+def test_launch_configs_reads_the_kernel_events_in_start_order():
+    """kineto's kernel events (category "kernel", "Kernel" in older versions): grid and block as lists, shared memory
+    static + dynamic; other events ignored."""
+    trace = {"traceEvents": [
+        {"cat": "kernel", "name": "void dsv4::(anonymous namespace)::moe_down_kernel<false>(dsv4::MoeArgs)",
+         "ts": 20.5, "args": {"grid": [256, 1, 1], "block": [256, 1, 1], "registers per thread": 72,
+                              "shared memory": 91520}},
+        {"cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 1.0, "args": {}},
+        {"cat": "kernel", "name": "void dsv4::(anonymous namespace)::moe_up_kernel<true>(dsv4::MoeArgs)", "ts": 3.0,
+         "args": {"grid": [896, 1, 1], "block": [256, 1, 1], "registers per thread": 66, "shared memory": 63632}},
+        {"cat": "Kernel", "name": "_pool_kernel", "ts": 9.0, "args": {"grid": [2, 3, 1], "block": [128, 1, 1]}},
+    ]}
+    got = bd.launch_configs(trace)
+    assert [k["kernel"] for k in got] == ["moe_up_kernel", "_pool_kernel", "moe_down_kernel"]
+    assert got[0] == {"kernel": "moe_up_kernel", "ctas": 896, "threads": 256, "regs": 66, "smem": 63632}
+    assert got[1] == {"kernel": "_pool_kernel", "ctas": 6, "threads": 128, "regs": 0, "smem": 0}
+    assert bd.launch_configs({}) == []
+
+
+def test_launch_rows_mark_one_wave_kernels_that_can_crowd():
+    ks = [{"kernel": "down3", "ctas": 256, "threads": 256, "regs": 80, "smem": 75136},
+          {"kernel": "down2", "ctas": 256, "threads": 256, "regs": 72, "smem": 91520},
+          {"kernel": "up", "ctas": 896, "threads": 256, "regs": 66, "smem": 63632},
+          {"kernel": "unknown", "ctas": 4, "threads": 0, "regs": 0, "smem": 0}]
+    down3, down2, up, unknown = bd.launch_rows(ks, H200)
+    assert (down3["per_sm"], down3["even"], down3["min_sms"], down3["pile"]) == (3, 2, 86, True)
+    assert abs(down3["waves"] - 256 / 396) < 1e-12
+    assert (down2["per_sm"], down2["even"], down2["min_sms"], down2["pile"]) == (2, 2, 128, False)
+    assert (up["per_sm"], up["pile"]) == (3, False) and up["waves"] > 2  # more than a wave: the scheduler spreads it
+    assert unknown["per_sm"] == 0 and "pile" not in unknown
