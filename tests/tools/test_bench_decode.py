@@ -3,6 +3,9 @@
 import importlib.util
 from pathlib import Path
 
+import pytest
+import torch
+
 ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("bench_decode", ROOT / "tools" / "bench_decode.py")
 bd = importlib.util.module_from_spec(spec)
@@ -57,3 +60,28 @@ def test_launch_rows_mark_one_wave_kernels_that_can_crowd():
     assert (down2["per_sm"], down2["even"], down2["min_sms"], down2["pile"]) == (2, 2, 128, False)
     assert (up["per_sm"], up["pile"]) == (3, False) and up["waves"] > 2  # more than a wave: the scheduler spreads it
     assert unknown["per_sm"] == 0 and "pile" not in unknown
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graph_launches_reads_a_captured_graph():
+    """On a device: a captured graph of two known launches (torch's spin kernel, <<<1, 1>>>, then an elementwise add
+    over 2^20 floats) comes back in that order with their CTAs, threads and registers; the device's limits are read."""
+    dev = torch.device("cuda")
+    x = torch.zeros(1 << 20, device=dev)
+    torch.cuda._sleep(1000)  # warm: the kernels loaded before the capture
+    x.add_(1.0)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        torch.cuda._sleep(1000)
+        x.add_(1.0)
+    got = bd.graph_launches(g, dev)
+    assert len(got) == 2
+    assert (got[0]["ctas"], got[0]["threads"]) == (1, 1)
+    assert got[1]["ctas"] > 1 and got[1]["ctas"] * got[1]["threads"] * 16 >= 1 << 20  # it covers the tensor
+    assert all(k["regs"] > 0 for k in got)
+    sm = bd.sm_limits(dev)
+    assert sm["sms"] == torch.cuda.get_device_properties(dev).multi_processor_count and sm["smem"] >= 100 * 1024
+    rows = bd.launch_rows(got, sm)
+    assert rows[0]["per_sm"] >= 1 and rows[0]["waves"] < 1
