@@ -377,6 +377,7 @@ def project_prefill(pf: dict, cfg, kinds: dict, tokens: int) -> dict:
 
 # what one SM holds (sm_80 / sm_90; the device's own figures replace these where torch reports them)
 SM_DEFAULT = {"threads": 2048, "regs": 65536, "smem": 233472, "ctas": 32}
+CTA_CAP = {(8, 6): 16, (8, 7): 16, (8, 9): 24}  # CTAs per SM where not 32 (sm_86 / sm_87 / sm_89)
 SMEM_RESERVED = 1024  # shared memory the driver reserves per CTA (sm_80+)
 
 
@@ -385,7 +386,7 @@ def sm_limits(device) -> dict:
     import torch
 
     pr = torch.cuda.get_device_properties(device)
-    lim = dict(SM_DEFAULT, sms=pr.multi_processor_count)
+    lim = dict(SM_DEFAULT, sms=pr.multi_processor_count, ctas=CTA_CAP.get((pr.major, pr.minor), 32))
     for key, attr in (("threads", "max_threads_per_multi_processor"), ("regs", "regs_per_multiprocessor"),
                       ("smem", "shared_memory_per_multiprocessor")):
         lim[key] = int(getattr(pr, attr, 0) or lim[key])
@@ -395,12 +396,13 @@ def sm_limits(device) -> dict:
 def ctas_per_sm(threads: int, regs: int, smem: int, sm: dict) -> tuple[int, str]:
     """How many CTAs of a launch one SM holds at once, and the resource that sets it ("threads", "regs", "smem",
     "ctas"): the occupancy calculator's arithmetic for sm_80 / sm_90 (a warp's registers allocated in units of 256,
-    shared memory in units of 128 plus SMEM_RESERVED per CTA). threads per CTA, registers per thread, shared memory
-    per CTA (static + dynamic, bytes). Clusters are not counted."""
+    each of the four schedulers' quarters of the register file holding whole warps; shared memory in units of 128
+    plus SMEM_RESERVED per CTA). threads per CTA, registers per thread, shared memory per CTA (static + dynamic,
+    bytes). Clusters are not counted."""
     warps = -(-threads // 32)
     by = {"ctas": sm["ctas"], "threads": sm["threads"] // (warps * 32)}
     if regs:
-        by["regs"] = (sm["regs"] // (-(-regs * 32 // 256) * 256)) // warps
+        by["regs"] = 4 * (sm["regs"] // 4 // (-(-regs * 32 // 256) * 256)) // warps
     by["smem"] = sm["smem"] // (-(-smem // 128) * 128 + SMEM_RESERVED)
     limit = min(by, key=lambda k: (by[k], k == "ctas"))
     return by[limit], limit
@@ -430,10 +432,10 @@ def launch_configs(trace: dict) -> list[dict]:
 
 def launch_rows(kernels: list[dict], sm: dict) -> list[dict]:
     """Per kernel: CTAs an SM holds (`per_sm`, `limit`), waves over the device, the CTAs per SM of an even spread
-    (`even`) and the fewest SMs its CTAs can sit on (`min_sms`). `pile`: a kernel of one wave or less whose SMs take
-    more CTAs than an even spread needs, so that, launched while its predecessor still holds most SMs (programmatic
-    launch), its CTAs can crowd onto the SMs that free up first (the forty-eighth pass: the decode experts' down
-    kernel at three CTAs per SM instead of two, +6.4 us a layer)."""
+    (`even`) and the fewest SMs its CTAs can sit on (`min_sms`). `pile`: a kernel of one wave or less, with more CTAs
+    than SMs, whose SMs take more CTAs than an even spread needs, so that, launched while its predecessor still holds
+    most SMs (programmatic launch), its CTAs can crowd onto the SMs that free up first (the forty-eighth pass: the
+    decode experts' down kernel at three CTAs per SM instead of two, +6.4 us a layer)."""
     rows = []
     for k in kernels:
         per_sm, limit = ctas_per_sm(k["threads"], k["regs"], k["smem"], sm) if k["threads"] else (0, "?")
@@ -442,7 +444,7 @@ def launch_rows(kernels: list[dict], sm: dict) -> list[dict]:
             r["waves"] = k["ctas"] / (per_sm * sm["sms"])
             r["even"] = -(-k["ctas"] // sm["sms"])
             r["min_sms"] = -(-k["ctas"] // per_sm)
-            r["pile"] = r["waves"] <= 1.0 and per_sm > r["even"]
+            r["pile"] = r["waves"] <= 1.0 and k["ctas"] > sm["sms"] and per_sm > r["even"]
         rows.append(r)
     return rows
 
@@ -527,7 +529,8 @@ def main(argv=None) -> int:
     p.add_argument("--launches", action="store_true",
                    help="also print the launch of every kernel of one layer's decode graph per layer kind (at ctx-1): "
                         "CTAs, threads, registers, shared memory, the CTAs an SM holds (occupancy arithmetic) and "
-                        "'pile' where a kernel of one wave can crowd onto fewer SMs than an even spread needs")
+                        "'pile' where a kernel of one wave (more CTAs than SMs) can crowd onto fewer SMs than an even spread "
+                        "needs")
     p.add_argument("--no-defer", action="store_true",
                    help="one decode schedule per layer: the compressors always run ahead of the attention (by default "
                         "a step that closes none of an HCA layer's compressor windows runs them beside it: "
@@ -762,14 +765,15 @@ def main(argv=None) -> int:
         for kind, ln in r.get("launches", {}).items():
             print(f"\nlaunches ctx {r['context']} (ctx-1) {kind} (layer {ln['layer']}): per kernel in start order, its "
                   f"CTAs and threads, registers per thread, shared memory per CTA, the CTAs an SM holds and what sets "
-                  f"that, waves, the CTAs per SM of an even spread and (one wave or less) the fewest SMs its CTAs fit on")
+                  f"that, waves, and for one wave or less the CTAs per SM of an even spread and the fewest SMs its CTAs fit on")
             print(f"    {'kernel':<40} {'CTAs':>5} {'thr':>4} {'regs':>4} {'smem KB':>7} {'/SM':>3} {'by':<7} "
                   f"{'waves':>5} {'even':>4} {'min SMs':>7}")
             for k in ln["kernels"]:
                 waves = f"{k['waves']:.2f}" if "waves" in k else ""
+                one = k.get("waves", 2.0) <= 1.0  # even spread and fewest SMs: for one wave or less
                 print(f"    {k['kernel']:<40} {k['ctas']:>5} {k['threads']:>4} {k['regs']:>4} {k['smem'] / 1024:>7.1f} "
-                      f"{k['per_sm']:>3} {k['limit']:<7} {waves:>5} {k.get('even', ''):>4} "
-                      f"{k['min_sms'] if k.get('waves', 2.0) <= 1.0 else '':>7}"
+                      f"{k['per_sm']:>3} {k['limit']:<7} {waves:>5} "
+                      f"{k['even'] if one else '':>4} {k['min_sms'] if one else '':>7}"
                       f"{'  pile' if k.get('pile') else ''}")
     if args.prefill:
         chunk = results[0]["prefill"]["chunk"]

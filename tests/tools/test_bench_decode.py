@@ -18,8 +18,8 @@ def test_ctas_per_sm_follows_each_resource():
     # the decode experts' down kernel as the tree builds it: 72 registers, 91 KB of dynamic + 384 B of static shared
     # memory -> shared memory allows two (2 x 92,544 B; three would need 277,632)
     assert bd.ctas_per_sm(256, 72, 91136 + 384, H200) == (2, "smem")
-    # its wgmma form (48th pass): 74,752 + 384 B fit three; at 80 registers a warp takes 2,560 -> 25 warps, 3 CTAs;
-    # at 82 it takes 2,816 (units of 256) -> 23 warps, 2 CTAs
+    # its wgmma form (48th pass): 74,752 + 384 B fit three; at 80 registers a warp takes 2,560 -> 6 warps in each
+    # scheduler's 16,384, 24 warps, 3 CTAs; at 82 it takes 2,816 (units of 256) -> 5 per scheduler, 20 warps, 2 CTAs
     assert bd.ctas_per_sm(256, 80, 74752 + 384, H200)[0] == 3
     assert bd.ctas_per_sm(256, 82, 74752 + 384, H200) == (2, "regs")
     assert bd.ctas_per_sm(256, 0, 74752 + 384 + 2048, H200) == (2, "smem")  # 3 x 78,208 > 233,472
@@ -28,6 +28,9 @@ def test_ctas_per_sm_follows_each_resource():
     assert bd.ctas_per_sm(33, 16, 0, H200) == (32, "threads")  # 2 warps: 32 CTAs take 2,048 threads (a tie names
     # the resource, not the CTA cap)
     assert bd.ctas_per_sm(256, 255, 0, H200) == (1, "regs")
+    # warps not a multiple of 4: whole warps per scheduler (96 registers: 5 x 4 = 20 warps -> 6 CTAs of 3, not 7)
+    assert bd.ctas_per_sm(96, 96, 0, H200) == (6, "regs")
+    assert bd.ctas_per_sm(64, 40, 0, H200) == (24, "regs")
 
 
 def test_launch_configs_reads_the_kernel_events_in_start_order():
@@ -53,13 +56,15 @@ def test_launch_rows_mark_one_wave_kernels_that_can_crowd():
     ks = [{"kernel": "down3", "ctas": 256, "threads": 256, "regs": 80, "smem": 75136},
           {"kernel": "down2", "ctas": 256, "threads": 256, "regs": 72, "smem": 91520},
           {"kernel": "up", "ctas": 896, "threads": 256, "regs": 66, "smem": 63632},
-          {"kernel": "unknown", "ctas": 4, "threads": 0, "regs": 0, "smem": 0}]
-    down3, down2, up, unknown = bd.launch_rows(ks, H200)
+          {"kernel": "unknown", "ctas": 4, "threads": 0, "regs": 0, "smem": 0},
+          {"kernel": "small", "ctas": 64, "threads": 128, "regs": 32, "smem": 0}]
+    down3, down2, up, unknown, small = bd.launch_rows(ks, H200)
     assert (down3["per_sm"], down3["even"], down3["min_sms"], down3["pile"]) == (3, 2, 86, True)
     assert abs(down3["waves"] - 256 / 396) < 1e-12
     assert (down2["per_sm"], down2["even"], down2["min_sms"], down2["pile"]) == (2, 2, 128, False)
     assert (up["per_sm"], up["pile"]) == (3, False) and up["waves"] > 2  # more than a wave: the scheduler spreads it
     assert unknown["per_sm"] == 0 and "pile" not in unknown
+    assert small["min_sms"] == 4 and not small["pile"]  # fewer CTAs than SMs: not flagged
 
 
 @pytest.mark.gpu
