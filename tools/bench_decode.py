@@ -432,8 +432,8 @@ def launch_configs(trace: dict) -> list[dict]:
 
 def launch_rows(kernels: list[dict], sm: dict) -> list[dict]:
     """Per kernel: CTAs an SM holds (`per_sm`, `limit`), waves over the device, the CTAs per SM of an even spread
-    (`even`) and the fewest SMs its CTAs can sit on (`min_sms`). `pile`: a kernel of one wave or less, with more CTAs
-    than SMs, whose SMs take more CTAs than an even spread needs, so that, launched while its predecessor still holds
+    (`even`) and the fewest SMs its CTAs can sit on (`min_sms`). `pile`: a kernel of one wave or less, with at least
+    half as many CTAs as SMs (not the small latency kernels), whose SMs take more CTAs than an even spread needs, so that, launched while its predecessor still holds
     most SMs (programmatic launch), its CTAs can crowd onto the SMs that free up first (the forty-eighth pass: the
     decode experts' down kernel at three CTAs per SM instead of two, +6.4 us a layer)."""
     rows = []
@@ -444,7 +444,7 @@ def launch_rows(kernels: list[dict], sm: dict) -> list[dict]:
             r["waves"] = k["ctas"] / (per_sm * sm["sms"])
             r["even"] = -(-k["ctas"] // sm["sms"])
             r["min_sms"] = -(-k["ctas"] // per_sm)
-            r["pile"] = r["waves"] <= 1.0 and k["ctas"] > sm["sms"] and per_sm > r["even"]
+            r["pile"] = r["waves"] <= 1.0 and 2 * k["ctas"] >= sm["sms"] and per_sm > r["even"]
         rows.append(r)
     return rows
 
@@ -529,8 +529,8 @@ def main(argv=None) -> int:
     p.add_argument("--launches", action="store_true",
                    help="also print the launch of every kernel of one layer's decode graph per layer kind (at ctx-1): "
                         "CTAs, threads, registers, shared memory, the CTAs an SM holds (occupancy arithmetic) and "
-                        "'pile' where a kernel of one wave (more CTAs than SMs) can crowd onto fewer SMs than an even spread "
-                        "needs")
+                        "'pile' where a kernel of one wave (and at least half as many CTAs as SMs) can crowd onto fewer SMs "
+                        "than an even spread needs")
     p.add_argument("--no-defer", action="store_true",
                    help="one decode schedule per layer: the compressors always run ahead of the attention (by default "
                         "a step that closes none of an HCA layer's compressor windows runs them beside it: "

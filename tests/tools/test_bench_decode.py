@@ -57,14 +57,17 @@ def test_launch_rows_mark_one_wave_kernels_that_can_crowd():
           {"kernel": "down2", "ctas": 256, "threads": 256, "regs": 72, "smem": 91520},
           {"kernel": "up", "ctas": 896, "threads": 256, "regs": 66, "smem": 63632},
           {"kernel": "unknown", "ctas": 4, "threads": 0, "regs": 0, "smem": 0},
-          {"kernel": "small", "ctas": 64, "threads": 128, "regs": 32, "smem": 0}]
-    down3, down2, up, unknown, small = bd.launch_rows(ks, H200)
+          {"kernel": "small", "ctas": 64, "threads": 128, "regs": 32, "smem": 0},
+          {"kernel": "wq_a", "ctas": 96, "threads": 256, "regs": 54, "smem": 67379}]
+    down3, down2, up, unknown, small, wq_a = bd.launch_rows(ks, H200)
     assert (down3["per_sm"], down3["even"], down3["min_sms"], down3["pile"]) == (3, 2, 86, True)
     assert abs(down3["waves"] - 256 / 396) < 1e-12
     assert (down2["per_sm"], down2["even"], down2["min_sms"], down2["pile"]) == (2, 2, 128, False)
     assert (up["per_sm"], up["pile"]) == (3, False) and up["waves"] > 2  # more than a wave: the scheduler spreads it
     assert unknown["per_sm"] == 0 and "pile" not in unknown
-    assert small["min_sms"] == 4 and not small["pile"]  # fewer CTAs than SMs: not flagged
+    assert small["min_sms"] == 4 and not small["pile"]  # fewer than half as many CTAs as SMs: not flagged
+    # the decode step's wq_a || wkv GEMV as the H200 ran it: 96 CTAs, three per SM (shared memory) -> 32 SMs at least
+    assert (wq_a["per_sm"], wq_a["limit"], wq_a["even"], wq_a["min_sms"], wq_a["pile"]) == (3, "smem", 1, 32, True)
 
 
 @pytest.mark.gpu
