@@ -120,7 +120,7 @@ __device__ __forceinline__ void load_keys(const TopkArgs& a, const unsigned char
   const int full = (reinterpret_cast<uintptr_t>(xs) & 15) == 0 ? nv / vec : 0;
 #pragma unroll 4
   for (int c = tid; c < full; c += kThreads) {
-    const uint4 w = __ldg(reinterpret_cast<const uint4*>(xs) + c);
+    const uint4 w = __ldcg(reinterpret_cast<const uint4*>(xs) + c);
     const uint32_t* p = &w.x;
     uint4 k0, k1;
     uint32_t* kk0 = &k0.x;
