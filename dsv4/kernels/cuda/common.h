@@ -38,6 +38,8 @@ __device__ __forceinline__ int arrive_acq_rel(int* counter) {
 
 // 16 bytes global -> shared, asynchronously (zero-filled when !ok). Weights travel this way so that their loads are
 // issued before griddepcontrol.wait: ptxas sinks plain register loads below the wait, cp.async it keeps in place.
+// No L2 eviction hint (.L2::cache_hint with an evict_first policy): it bought nothing in the decode graphs (fiftieth
+// pass), and ptxas 13.0 miscompiled it inlined into gemv_kernel (undefined descriptor registers: illegal instruction).
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool ok) {
   const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(ok ? 16 : 0) : "memory");
