@@ -19,6 +19,7 @@ Needs CUDA. Prints a table and writes JSON (--json). A benchmark, not a test.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import sys
@@ -256,8 +257,8 @@ def indexer_cases(dev, randn):
     """A CSA layer's Lightning Indexer at Flash shapes (64 heads x 128, k = 512 of context / 4 entries): `.scores` (bf16
     scores of M queries, reference numerics; bytes: q, w, the keys, the scores), `.scores.fp4` (the same on packed FP4
     keys) and `.topk` (the top-512 list per query; bytes: the scores, the list), the latter with a `.triton` twin (the
-    dispatching fast op runs the CUDA kernel where indexer_cuda.topk_prefers says it is the faster). M is the number
-    of queries."""
+    dispatching fast op runs the CUDA kernel where indexer_cuda.topk_prefers says it is the faster) and the CUDA
+    kernels forced (`.cta`: one CTA a row, rows of up to 32K entries; `.cluster`). M is the number of queries."""
     import torch
 
     H, d, k = 64, 128, 512
@@ -286,6 +287,10 @@ def indexer_cases(dev, randn):
         from dsv4.ops import indexer_triton
     except ImportError:
         indexer_triton = None
+    try:
+        from dsv4.ops import indexer_cuda
+    except ImportError:
+        indexer_cuda = None
     for name, context in INDEXER:
         n = context // 4
         cases[name + ".scores"] = ("indexer_scores", lambda M, n=n: make_scores(M, n))
@@ -293,6 +298,10 @@ def indexer_cases(dev, randn):
         cases[name + ".topk"] = ("topk_select", lambda M, n=n: make_topk(M, n))
         if indexer_triton is not None:
             cases[name + ".topk.triton"] = ("topk_select", lambda M, n=n: make_topk(M, n), indexer_triton.topk_select)
+        if indexer_cuda is not None:  # the CUDA kernels forced: one CTA a row (rows of up to 32K) or clusters
+            for kern in ("cta", "cluster") if n <= indexer_cuda.CTA_MAX_N else ("cluster",):
+                cases[f"{name}.topk.{kern}"] = ("topk_select", lambda M, n=n: make_topk(M, n),
+                                                functools.partial(indexer_cuda.topk_select, kernel=kern))
     return cases
 
 
@@ -557,7 +566,9 @@ def main(argv=None) -> int:
                     "moe_experts.triton", "router", "router.triton", "mhc_post_pre_norm+router",
                     "mhc_post_pre_norm+router.triton"]
                  + [n + t for n, _, _ in ATTN for t in ("", ".triton")]
-                 + [n + t for n, _ in INDEXER for t in (".scores", ".scores.fp4", ".topk", ".topk.triton")])
+                 + [n + t for n, _ in INDEXER for t in (".scores", ".scores.fp4", ".topk", ".topk.triton")]
+                 + [f"{n}.topk.{kern}" for n, c in INDEXER
+                    for kern in (("cta", "cluster") if c // 4 <= 32768 else ("cluster",))])
         print("\n".join(names))
         return 0
     if not torch.cuda.is_available():

@@ -42,9 +42,9 @@ def topk_select_ref(scores: torch.Tensor, n_visible: torch.Tensor, k: int) -> to
 
 
 def make_fast_topk(triton_fast):
-    """The fast `topk_select`: the CUDA kernel (dsv4/ops/indexer_cuda.py, one launch, a cluster of CTAs per row) for
+    """The fast `topk_select`: the CUDA kernels (dsv4/ops/indexer_cuda.py, one launch, a CTA or a cluster per row) for
     the calls it takes (k <= 1024, rows of up to 256K entries) where it is the faster (`topk_prefers`: long rows at
-    decode, very long rows always), the Triton kernels for everything else."""
+    decode, prefill chunks from 16K to 128K context, very long rows always), the Triton kernels for everything else."""
     if triton_fast is None:
         return None
     from dsv4.ops import indexer_cuda
@@ -67,4 +67,5 @@ def register_ops(register) -> None:
              doc="Lightning Indexer scores over compressed keys")
     register("topk_select", topk_select_ref, make_fast_topk(fast_topk), interpretable=True,
              doc="top-k entry indices per query, ties to the lower index",
-             cuda="decode rows of 8K-256K entries, prefill rows of 64K-256K, k <= 1024: one launch, a cluster per row")
+             cuda="decode rows of 8K-256K entries (a cluster per row), prefill rows of 4K-32K bf16 / f16 entries (a "
+                  "CTA per row) and of 64K-256K (clusters), k <= 1024: one launch")

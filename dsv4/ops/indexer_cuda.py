@@ -1,10 +1,14 @@
-"""CUDA fast path of `topk_select` (dsv4/kernels/cuda/topk.cu): one launch, a thread-block cluster per query row.
+"""CUDA fast path of `topk_select` (dsv4/kernels/cuda/topk.cu): one launch, one CTA or one thread-block cluster per
+query row.
 
-The row is split over 1-8 CTAs by its length (16 past 16K entries where the GPU holds every row's cluster of 16 at
-once); each holds its slice as order-preserving keys in shared memory. A radix select over the whole cluster
-(histograms exchanged through distributed shared memory) finds the k-th largest key; each CTA stores its kept
-entries into every CTA's list, and each CTA ranks its share of the list: descending score, ties to the lower entry,
--1 past the entries above -inf. topk_select_ref's list bit for bit. `topk_applies`
+Prefill chunks (9 or more rows) of 16-bit scores (bf16, f16) of at most 32768 entries take one CTA of 1024 threads a
+row: the row's keys and one histogram of all 65536 keys in shared memory, a suffix scan that finds the k-th largest key, each kept entry's
+slot from its key's bin, then its place among the equal keys by entry. Other rows (decode, fp32, longer) are split over 1-8
+CTAs of a cluster by their length (16 past 16K entries where the GPU holds every row's cluster of 16 at once); each
+holds its slice as order-preserving keys in shared memory. A radix select over the whole cluster (histograms
+exchanged through distributed shared memory) finds the k-th largest key; each CTA stores its kept entries into every
+CTA's list, and each CTA ranks its share of the list. Either way: descending score, ties to the lower entry, -1 past
+the entries above -inf; topk_select_ref's list bit for bit. `topk_applies`
 says whether the kernel can take a call (k <= 1024, rows of up to 256K entries, the CUDA build) and `topk_prefers`
 whether it is the faster there; the fast op runs it where both hold, the Triton kernels elsewhere. No host sync; the
 counts are read on the device (graph-safe).
@@ -20,6 +24,8 @@ from dsv4.ops.linear_cuda import PDL, _capability, _index
 MAX_K = 1024  # entries of one list
 MAX_N = 256 * 1024  # entries of one row (1M tokens of context at ratio 4): 8 CTAs x 32K keys in shared memory
 MAX_ROWS = 65535  # rows (B * S): the grid's second dimension
+CTA_MAX_N = 32768  # rows the one-CTA kernel takes (16-bit scores): their keys and histogram in shared memory
+_MODES = {"auto": 0, "cluster": 1, "cta": 2}
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -39,17 +45,30 @@ def topk_applies(scores: torch.Tensor, n_visible: torch.Tensor, k: int) -> bool:
 
 
 def topk_prefers(scores: torch.Tensor) -> bool:
-    """Where the CUDA kernel beats the Triton one (bench_ops, H200, docs/performance.md nineteenth pass): rows of more
-    than 8K entries for decode (up to 8 rows: 11.1 against 19.2 us at 32K entries), and every call on rows of more
-    than 64K entries (256 against 420 us for 128 rows of 256K). Shorter rows and prefill chunks at <= 128K context
-    stay on Triton, whose fixed cost is lower."""
+    """Where a CUDA kernel beats the Triton one (bench_ops, H200, docs/performance.md nineteenth and fifty-first
+    passes): decode rows (up to 8) of more than 8K entries on the clusters (11.2 against 22.5 us at 32K entries; the
+    one-CTA kernel takes 19.2 there); prefill chunks of 16-bit scores of 4K-32K entries (16K-128K context) on one CTA a
+    row (128 rows: 10.2 against 15.4 us at 4K entries, 21.2 against 55.8 at 32K); and every call on rows of more than
+    64K entries (256 against 420 us for 128 rows of 256K). Everything else stays on Triton, whose fixed cost is lower
+    (2.4 us for a 1K-context row)."""
     B, S, N = scores.shape
-    return N > 65536 or (N > 8192 and B * S <= 8)
+    if N > 65536:
+        return True
+    if B * S > 8:
+        return topk_cta_applies(scores) and N >= 4096
+    return N > 8192
 
 
-def topk_select(scores: torch.Tensor, n_visible: torch.Tensor, k: int) -> torch.Tensor:
-    """topk_select_ref's contract for the calls `topk_applies` takes: idx [B, S, k] int32."""
+def topk_select(scores: torch.Tensor, n_visible: torch.Tensor, k: int, kernel: str = "auto") -> torch.Tensor:
+    """topk_select_ref's contract for the calls `topk_applies` takes: idx [B, S, k] int32. kernel: "auto" (one CTA a
+    row for 9 or more rows where it applies: 16-bit scores, N <= CTA_MAX_N; else the clusters), "cluster" or "cta"
+    (tests, benchmarks)."""
     B, S, _ = scores.shape
     o = torch.empty(B, S, k, dtype=torch.int32, device=scores.device)
-    cuda_kernels.load().topk_select(scores, n_visible, o, PDL)
+    cuda_kernels.load().topk_select(scores, n_visible, o, PDL, _MODES[kernel])
     return o
+
+
+def topk_cta_applies(scores: torch.Tensor) -> bool:
+    """Whether the one-CTA kernel takes rows like these (16-bit scores, at most CTA_MAX_N entries)."""
+    return scores.dtype in (torch.bfloat16, torch.float16) and scores.shape[-1] <= CTA_MAX_N

@@ -3,7 +3,9 @@
 GPU only. The list must be the reference's exactly: the same entries in the same order (descending score, ties to
 the lower entry), -1 past the entries above -inf. Inputs full of ties (exact zeros, -0.0, repeated values) at the
 Flash shapes (k = 512 of 256, 4K, 32K and 256K entries: 1K, 16K, 128K and 1M context; 1, 4 and 128 query rows;
-V4-Pro's k = 1024); every cluster size and the lengths at its edges; keys that differ only in the bits of the last
+V4-Pro's k = 1024), each through every kernel that takes it (the clusters; one CTA a row for 16-bit rows of up to 32K
+entries); every cluster size and the lengths at its edges; the one-CTA kernel's runs of equal keys above, at and
+below the k-th key and its full 16-bit bins; keys that differ only in the bits of the last
 radix pass (16- and 32-bit); ties at the k-th key spread over several CTAs of a cluster (some CTAs keep all of theirs,
 one only its lowest entries, the others none); all-equal rows; rows with fewer visible entries than k, none, or
 visible -inf scores; odd lengths and rows that are not 16-byte aligned (the one-element load path); f16 and int32
@@ -35,10 +37,17 @@ def scores(S, N, seed, dtype=torch.bfloat16):
 
 
 def check(x, n_vis, k):
+    """Every CUDA kernel that takes the call (the clusters; one CTA a row for 16-bit rows of up to 32K entries) against
+    the reference; returns the default kernel's list."""
     ic = _mod()
     assert ic.topk_applies(x, n_vis, k)
+    want = topk_select_ref(x, n_vis, k)
+    kernels = ("cluster", "cta") if ic.topk_cta_applies(x) else ("cluster",)
+    for kern in kernels:
+        assert_bitwise_equal(ic.topk_select(x, n_vis, k, kernel=kern), want,
+                             f"topk ({kern}) k={k} N={x.shape[-1]} {x.dtype}")
     got = ic.topk_select(x, n_vis, k)
-    assert_bitwise_equal(got, topk_select_ref(x, n_vis, k), f"topk k={k} N={x.shape[-1]} {x.dtype}")
+    assert_bitwise_equal(got, want, f"topk k={k} N={x.shape[-1]} {x.dtype}")
     return got
 
 
@@ -61,7 +70,8 @@ def test_flash_shapes(N, S):
     check(x.float(), n_vis, k)
 
 
-@pytest.mark.parametrize("N", [1, 2, 9, 2047, 2048, 2049, 4096, 4097, 8192, 8193, 16384, 16385, 65535, 65536 * 4])
+@pytest.mark.parametrize("N", [1, 2, 9, 2047, 2048, 2049, 4096, 4097, 8192, 8193, 16384, 16385, 32768, 32769, 65535,
+                               65536 * 4])
 def test_every_cluster_size_and_its_edges(N):
     mod = cuda_kernels.load()
     portable = 1 if N <= 2048 else 2 if N <= 4096 else 4 if N <= 8192 else 8
@@ -70,6 +80,9 @@ def test_every_cluster_size_and_its_edges(N):
     if N > 16384 and torch.cuda.get_device_properties(0).multi_processor_count >= 132:  # an H100 / H200 SXM
         assert wide == 16 and mod.topk_select_cluster(N, 8) == 16
     assert mod.topk_select_cluster(N, 65535) == portable  # more rows than the device holds clusters of 16 at once
+    # the default: one CTA a row for 9 or more 16-bit rows of up to 32K entries (prefill), the clusters otherwise
+    assert mod.topk_select_path(N, 0, 9, 0) == (0 if N <= 32768 else 1) and mod.topk_select_path(N, 0, 8, 0) == 1
+    assert mod.topk_select_path(N, 2, 128, 0) == 1 and mod.topk_select_path(N, 1, 1, 2) == (0 if N <= 32768 else -1)
     check(scores(2, N, N), counts(2, N, max(N - 3, 0)), min(N, 512))
 
 
@@ -113,6 +126,33 @@ def test_ties_at_the_kth_key_across_the_cluster():
     assert got[0, 0, 400:].tolist() == list(range(4000, 4112))
 
 
+def test_one_cta_runs_of_equal_keys_and_full_bins():
+    # the one-CTA kernel orders a bin's keys by walking its run of the list: long runs above the k-th key, a run
+    # that is the k-th key kept whole (keep all) or cut (lowest entries), at both ends of the list
+    g = torch.Generator().manual_seed(21)
+    x = torch.full((1, 4, 20000), 1.0)
+    perm = [torch.randperm(20000, generator=g) for _ in range(4)]
+    x[0, 0, perm[0][:300]] = 3.0
+    x[0, 0, perm[0][300:600]] = 2.0  # 300 + 212 of 300: the 2.0 run cut to its lowest entries
+    x[0, 1, perm[1][:300]] = 3.0
+    x[0, 1, perm[1][300:512]] = 2.0  # 300 + 212 of 212: kept whole, then 1.0 below
+    x[0, 2, perm[2][:511]] = 5.0  # one run of 511 above a cut run of 1.0
+    x[0, 3, perm[3][:40]] = torch.arange(40, dtype=torch.float32)  # distinct keys, then 19960 tied at 1.0 (0: at 1.0)
+    for dtype in (torch.bfloat16, torch.float16):
+        got = check(x.to(dtype).cuda(), counts(4, 20000), 512)
+    assert got[0, 0, :300].tolist() == sorted(perm[0][:300].tolist())
+    assert got[0, 1, 300:].tolist() == sorted(perm[1][300:512].tolist())
+    # full rows: 32768 equal keys (one bin's count 32768), all zeros, all -0.0 and +0.0 mixed
+    ic = _mod()
+    for v in (1.5, 0.0):
+        y = torch.full((1, 1, 32768), v, dtype=torch.bfloat16, device="cuda")
+        y[..., 1::2] = -v if v == 0.0 else v
+        got = check(y, counts(1, 32768), 1024)
+        assert got[0, 0].tolist() == list(range(1024))
+    assert ic.topk_cta_applies(y) and not ic.topk_cta_applies(torch.empty(1, 1, 32769, dtype=torch.bfloat16))
+    assert not ic.topk_cta_applies(y.float())
+
+
 def test_all_equal_zero_and_infinite_rows():
     z = torch.zeros(1, 3, 3000, device="cuda")
     z[0, 1, ::2] = -0.0  # -0.0 == +0.0: still the first k entries in order
@@ -141,10 +181,12 @@ def test_odd_lengths_unaligned_rows_f16_int32_counts():
     check(s, counts(2, 6000, 77), 512)
 
 
-def test_graph_replay_follows_new_counts():
+@pytest.mark.parametrize("S", [1, 16])
+def test_graph_replay_follows_new_counts(S):
+    # one row: the clusters; 16 rows (a prefill chunk): one CTA a row
     ic = _mod()
-    x = tied_scores(1, 1, 32768, seed=11, dtype=torch.bfloat16, device="cuda")
-    n_vis = counts(1, 30000)
+    x = tied_scores(1, S, 32768, seed=11, dtype=torch.bfloat16, device="cuda")
+    n_vis = counts(S, 30000)
     want, out = graph_replay(lambda: ic.topk_select(x, n_vis, 512))
     assert_bitwise_equal(out, want, "graph replay")
     graph, out = capture_graph(lambda: ic.topk_select(x, n_vis, 512))
@@ -161,10 +203,19 @@ def test_fast_op_routes_here_and_limits_go_to_triton():
     ic = _mod()
     x = tied_scores(1, 1, 32768, seed=12, dtype=torch.bfloat16, device="cuda")
     n_vis = counts(1, 32000)
-    assert ic.topk_prefers(x)  # decode at 128K context
-    assert_bitwise_equal(ops.OPS["topk_select"].fast(x, n_vis, 512), ic.topk_select(x, n_vis, 512), "routed")
+    assert ic.topk_prefers(x)  # decode at 128K context: the clusters
+    assert_bitwise_equal(ops.OPS["topk_select"].fast(x, n_vis, 512), ic.topk_select(x, n_vis, 512, kernel="cluster"),
+                         "routed")
     assert not ic.topk_prefers(x[..., :8192])  # decode at <= 32K context: Triton
-    assert not ic.topk_prefers(x.expand(1, 9, -1))  # a prefill chunk at 128K context: Triton
+    # prefill chunks of 16-bit scores from 16K to 128K context (4K-32K entries): one CTA a row
+    chunk = tied_scores(1, 9, 32768, seed=16, dtype=torch.bfloat16, device="cuda")
+    nv9 = counts(9, 32768, 30000, 700)
+    assert ic.topk_prefers(chunk) and ic.topk_prefers(chunk[..., :4096])
+    assert_bitwise_equal(ops.OPS["topk_select"].fast(chunk, nv9, 512), ic.topk_select(chunk, nv9, 512, kernel="cta"),
+                         "routed prefill")
+    assert not ic.topk_prefers(chunk[..., :4095])  # shorter rows: Triton
+    assert not ic.topk_prefers(chunk.float())  # fp32 chunks: Triton
+    assert not ic.topk_prefers(torch.empty(1, 9, 40000, dtype=torch.bfloat16, device="cuda"))  # past the CTA's rows
     assert ic.topk_prefers(torch.empty(1, 128, 65537, device="cuda"))  # past 256K context: always CUDA
     big = tied_scores(1, 1, 262145, seed=13, dtype=torch.bfloat16, device="cuda")
     nv = counts(1, 262145)
@@ -183,17 +234,23 @@ def test_binding_refuses_bad_calls():
     n_vis = counts(2, 100)
     o = torch.empty(1, 2, 10, dtype=torch.int32, device="cuda")
     with pytest.raises(RuntimeError, match=r"k must be 1\.\.min\(N, 1024\) \(got 101, N = 100\)"):
-        mod.topk_select(x, n_vis, torch.empty(1, 2, 101, dtype=torch.int32, device="cuda"), False)
+        mod.topk_select(x, n_vis, torch.empty(1, 2, 101, dtype=torch.int32, device="cuda"), False, 0)
     with pytest.raises(RuntimeError, match=r"rows of 1 to 262144 entries \(got 262145\)"):
-        mod.topk_select(torch.zeros(1, 2, 262145, dtype=torch.bfloat16, device="cuda"), n_vis, o, False)
+        mod.topk_select(torch.zeros(1, 2, 262145, dtype=torch.bfloat16, device="cuda"), n_vis, o, False, 0)
     with pytest.raises(RuntimeError, match="scores must be bf16, f16 or fp32"):
-        mod.topk_select(x.double(), n_vis, o, False)
+        mod.topk_select(x.double(), n_vis, o, False, 0)
     with pytest.raises(RuntimeError, match=r"n_visible must be int64 or int32 \[S\]"):
-        mod.topk_select(x, n_vis.float(), o, False)
+        mod.topk_select(x, n_vis.float(), o, False, 0)
     with pytest.raises(RuntimeError, match=r"o must be int32 \[B, S, K\]"):
-        mod.topk_select(x, n_vis, o.long(), False)
+        mod.topk_select(x, n_vis, o.long(), False, 0)
     with pytest.raises(RuntimeError, match="unit stride on N"):
-        mod.topk_select(x[..., ::2], n_vis, o, False)
+        mod.topk_select(x[..., ::2], n_vis, o, False, 0)
+    with pytest.raises(RuntimeError, match=r"mode must be 0, 1 or 2 \(got 3\)"):
+        mod.topk_select(x, n_vis, o, False, 3)
+    with pytest.raises(RuntimeError, match="the one-CTA kernel takes 16-bit scores of at most 32768 entries"):
+        mod.topk_select(x.float(), n_vis, o, False, 2)
+    with pytest.raises(RuntimeError, match="the one-CTA kernel takes 16-bit scores of at most 32768 entries"):
+        mod.topk_select(torch.zeros(1, 2, 32769, dtype=torch.bfloat16, device="cuda"), n_vis, o, False, 2)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

@@ -611,8 +611,9 @@ void sparse_attn_prefill(const at::Tensor& q, const at::Tensor& kv_win, const at
   DSV4_CHECK(e == cudaSuccess, "sparse_attn_prefill launch failed: %s", cudaGetErrorString(e));
 }
 
-// top-k entry indices per query row (topk.cu): o [B, S, K] int32 from scores [B, S, N] and n_visible [S]
-void topk_select(const at::Tensor& x, const at::Tensor& nvis, at::Tensor& o, bool pdl) {
+// top-k entry indices per query row (topk.cu): o [B, S, K] int32 from scores [B, S, N] and n_visible [S]; mode 0 picks
+// the kernel, 1 the clusters, 2 the one-CTA kernel (16-bit scores, N <= 32768)
+void topk_select(const at::Tensor& x, const at::Tensor& nvis, at::Tensor& o, bool pdl, int64_t mode) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 3 && x.stride(2) == 1,
               "topk_select: scores must be CUDA [B, S, N] with a unit stride on N");
   const auto st = x.scalar_type();
@@ -641,9 +642,12 @@ void topk_select(const at::Tensor& x, const at::Tensor& nvis, at::Tensor& o, boo
   a.K = static_cast<int>(K);
   a.kind = kind;
   a.nvis_i64 = nvis.scalar_type() == at::kLong;
+  DSV4_CHECK(mode >= 0 && mode <= 2, "topk_select: mode must be 0, 1 or 2 (got %lld)", LL(mode));
+  DSV4_CHECK(dsv4::topk_select_path(a.N, kind, static_cast<int>(B * S), static_cast<int>(mode)) >= 0,
+             "topk_select: the one-CTA kernel takes 16-bit scores of at most %d entries", dsv4::kTopkCtaMaxN);
   const c10::cuda::CUDAGuard guard(x.device());
-  const cudaError_t e =
-      dsv4::topk_select_launch(a, static_cast<int>(B * S), pdl, c10::cuda::getCurrentCUDAStream().stream());
+  const cudaError_t e = dsv4::topk_select_launch(a, static_cast<int>(B * S), static_cast<int>(mode), pdl,
+                                                 c10::cuda::getCurrentCUDAStream().stream());
   DSV4_CHECK(e == cudaSuccess, "topk_select launch failed: %s", cudaGetErrorString(e));
 }
 
@@ -732,6 +736,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sparse_attn_prefill_smem", &dsv4::sparse_attn_prefill_smem, "dynamic shared memory of one sparse_attn_prefill CTA");
   m.def("topk_select", &topk_select, "top-k entry indices per query row, ties to the lower entry (topk.cu)");
   m.def("topk_select_cluster", &dsv4::topk_select_cluster, "CTAs per row of topk_select for (N entries, rows)");
+  m.def("topk_select_path", &dsv4::topk_select_path,
+        "topk_select's kernel for (N entries, score kind 0 bf16 / 1 f16 / 2 fp32, rows, mode): 0 one CTA, 1 clusters");
   m.def("moe_decode", &moe_decode, "decode MoE experts of one token: MXFP4 routed + FP8 shared (moe.cu)");
   m.def("router", &router, "decode MoE router of 1-8 tokens: gate logits, scores, top-k or hash, weights (router.cu)");
 }

@@ -2,7 +2,9 @@
 // first nvis entries, in descending score order with ties to the lower entry, as int32 entry indices; -1 past the
 // number of entries above -inf. Bit for bit the reference's list.
 //
-// One thread-block cluster of C = 1, 2, 4, 8 or 16 CTAs (512 threads each) per row (16, a non-portable size, past
+// Two kernels. Prefill chunks (9 or more rows) of 16-bit scores of up to 32K entries: one CTA of 1024 threads per row,
+// a single histogram of all 65536 keys (topk16_cta_kernel, below). Everything else (decode rows, fp32, longer rows):
+// one thread-block cluster of C = 1, 2, 4, 8 or 16 CTAs (512 threads each) per row (16, a non-portable size, past
 // 16K entries where the device holds every row's cluster at once); CTA r holds the r-th slice of the
 // row (SL entries, a multiple of 8) as order-preserving 32-bit keys in shared memory (bf16 / f16 scores in the high
 // 16 bits; -0.0 as +0.0, as torch compares them; -inf and invisible entries are never candidates). Then:
@@ -408,6 +410,292 @@ __global__ void __launch_bounds__(kThreads) topk_select_kernel(const TopkArgs a,
   for (int i = m + r * kThreads + tid; i < a.K; i += C * kThreads) out[i] = -1;
 }
 
+// ---- one CTA per row: 16-bit scores, rows of at most 32K entries ----
+//
+// A 16-bit score has only 65536 keys, so the whole radix select is one histogram: 65536 16-bit counts, two to a word
+// (128 KB of shared memory; a bin's count, and every sum below, is at most N <= 32768). 1024 threads; the row's keys
+// in shared memory (64 KB), thread t's chunk r of 8 entries at entry 8 (r * 1024 + t), so (round, warp, lane, j) is
+// entry order:
+// 1. keys and the histogram (exact zeros, which ReLU'd scores are full of, counted per warp);
+// 2. per thread, the counts of its 64 consecutive bins; a suffix scan over the threads; the thread whose bins hold
+//    the k-th largest key finds it (T), the keys above it (gt) and its count; every thread whose bins may hold kept
+//    keys rewrites them as exclusive suffix sums (S(v) = keys above v: where bin v's keys start in the list);
+// 3. each kept key takes slot S(v) + (its place among bin v's keys) by an atomic on its bin's word, so the list is
+//    ordered by key and only the order within a bin is arbitrary; when only some keys equal to T are kept, those
+//    go to gt + (their rank in entry order), from per-(round, warp) counts and one scan;
+// 4. each slot's pair walks its bin's run of the list (the same key: usually one or two) and is stored at the run's
+//    start plus the number of pairs in it with a lower entry: descending score, ties to the lower entry.
+// Pairs are 32-bit (key << 16 | 0xFFFF - entry). Four or six block barriers after the loads, no cluster.
+// The kernel runs once per row from cold instruction caches, so its code is kept short: every phase is a rolled loop
+// over the rounds reading the keys from shared memory (a first version kept the row in registers, each phase unrolled
+// over the rounds: ~6,000 SASS instructions, 9.2 us at 4K entries and 16.8 at 32K).
+constexpr int kCtaThreads = 1024, kCtaWarps = kCtaThreads / 32;
+constexpr int kCtaRounds = kTopkCtaMaxN / (8 * kCtaThreads);  // 4: 8 entries a thread and round
+constexpr uint32_t kZeroKey = 0x8000u;                       // the key of 0.0
+
+struct alignas(16) CtaSmem {
+  uint32_t hist[32768];                // bin 2i's count in word i's low half, bin 2i + 1's in its high half
+  uint4 keys[kCtaRounds * kCtaThreads];  // 8 keys (16-bit, 0: not a candidate) per (round, thread)
+  uint32_t list[kTopkMaxK];            // kept pairs
+  int wsum[kCtaWarps];                 // per warp: its threads' keys
+  int tie[kCtaRounds * kCtaWarps];     // per (round, warp): keys equal to T -> their exclusive prefix
+  int T, gt, cntT;
+};
+
+// a 16-bit score's order-preserving key (-0.0 as +0.0)
+__device__ __forceinline__ uint32_t k16(uint32_t b) { return key16(b) >> 16; }
+
+// the 16-bit value j of 8 packed in a uint4
+__device__ __forceinline__ uint32_t half_of(const uint4& w, int j) {
+  const uint32_t q = j < 2 ? w.x : j < 4 ? w.y : j < 6 ? w.z : w.w;
+  return (q >> (16 * (j & 1))) & 0xFFFFu;
+}
+
+// keys equal to T among 8
+__device__ __forceinline__ int ties8(const uint4& keys, uint32_t T) {
+  int n = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) n += half_of(keys, j) == T ? 1 : 0;
+  return n;
+}
+
+__global__ void __launch_bounds__(kCtaThreads, 1) topk16_cta_kernel(const TopkArgs a) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  CtaSmem& sm = *reinterpret_cast<CtaSmem*>(smem);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int row = blockIdx.x;
+  const long long b = row / a.S, s = row % a.S;
+  const int R = (a.N + 8 * kCtaThreads - 1) / (8 * kCtaThreads);
+  const uint32_t neg = neg_inf_key(a.kind) >> 16;
+
+  griddep_wait();  // the scores (and the counts) come from earlier kernels
+  griddep_launch_dependents();
+  const long long nv_raw = a.nvis_i64 ? static_cast<const long long*>(a.nvis)[s] : static_cast<const int*>(a.nvis)[s];
+  const int nv = static_cast<int>(nv_raw < 0 ? 0 : nv_raw > a.N ? a.N : nv_raw);
+  const uint16_t* xs = static_cast<const uint16_t*>(a.x) + b * a.sx_b + s * a.sx_s;
+  const bool aligned = (reinterpret_cast<uintptr_t>(xs) & 15) == 0;
+  uint4 raw[kCtaRounds];
+#pragma unroll
+  for (int rd = 0; rd < kCtaRounds; ++rd) {  // every full 16-byte load in flight before the first is used
+    const int e0 = 8 * (rd * kCtaThreads + tid);
+    raw[rd] = make_uint4(0u, 0u, 0u, 0u);
+    if (rd < R && aligned && e0 + 8 <= nv) raw[rd] = __ldcg(reinterpret_cast<const uint4*>(xs + e0));
+  }
+  {  // zero the histogram while the loads are in flight
+    uint4* h4 = reinterpret_cast<uint4*>(sm.hist);
+#pragma unroll 2
+    for (int i = 0; i < 8; ++i) h4[i * kCtaThreads + tid] = make_uint4(0u, 0u, 0u, 0u);
+  }
+#pragma unroll
+  for (int rd = 0; rd < kCtaRounds; ++rd) {
+    if (rd < R) sm.keys[rd * kCtaThreads + tid] = raw[rd];
+  }
+  // the rest of a partial chunk (or every chunk of an unaligned row), one element at a time
+#pragma unroll 1
+  for (int rd = 0; rd < R; ++rd) {
+    const int e0 = 8 * (rd * kCtaThreads + tid);
+    if (e0 < nv && (!aligned || e0 + 8 > nv)) {
+      uint32_t w[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        if (e0 + j < nv) w[j / 2] |= static_cast<uint32_t>(__ldcg(reinterpret_cast<const unsigned short*>(xs) + e0 + j)) << (16 * (j & 1));
+      }
+      sm.keys[rd * kCtaThreads + tid] = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  }
+  __syncthreads();
+
+  // 1. keys (0: not a candidate) and the histogram
+  int zeros = 0;
+#pragma unroll 1
+  for (int rd = 0; rd < R; ++rd) {
+    const int e0 = 8 * (rd * kCtaThreads + tid);
+    const uint4 w = sm.keys[rd * kCtaThreads + tid];
+    uint32_t o[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const uint32_t p = q == 0 ? w.x : q == 1 ? w.y : q == 2 ? w.z : w.w;
+      uint32_t lo = k16(p & 0xFFFFu), hi = k16(p >> 16);
+      lo = e0 + 2 * q < nv && lo > neg ? lo : 0u;
+      hi = e0 + 2 * q + 1 < nv && hi > neg ? hi : 0u;
+      o[q] = lo | (hi << 16);
+      zeros += (lo == kZeroKey ? 1 : 0) + (hi == kZeroKey ? 1 : 0);
+      if (lo != 0u && lo != kZeroKey) atomicAdd(&sm.hist[lo >> 1], (lo & 1u) ? 0x10000u : 1u);
+      if (hi != 0u && hi != kZeroKey) atomicAdd(&sm.hist[hi >> 1], (hi & 1u) ? 0x10000u : 1u);
+    }
+    sm.keys[rd * kCtaThreads + tid] = make_uint4(o[0], o[1], o[2], o[3]);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) zeros += __shfl_xor_sync(kFull, zeros, o);
+  if (lane == 0 && zeros > 0) atomicAdd(&sm.hist[kZeroKey >> 1], static_cast<uint32_t>(zeros));
+  __syncthreads();
+
+  // 2. this thread's 64 bins (words 32 tid ..): their total (the low halves' sum stays below 2^16: no carry), in a
+  // rotated order so that a quarter warp's 16-byte reads hit distinct banks
+  const uint4* h4 = reinterpret_cast<const uint4*>(sm.hist) + 8 * tid;
+  uint32_t sum = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const uint4 w = h4[(i + tid) & 7];
+    sum += w.x + w.y + w.z + w.w;
+  }
+  const int c = static_cast<int>((sum & 0xFFFFu) + (sum >> 16));
+  int incl = c;  // keys in the bins of lanes lane .. 31 of this warp
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_down_sync(kFull, incl, o);
+    if (lane + o < 32) incl += y;
+  }
+  if (lane == 0) sm.wsum[warp] = incl;
+  if (tid == 0) sm.T = 0, sm.gt = 0, sm.cntT = 0;
+  __syncthreads();
+  int total = 0, above = incl - c;  // above: keys in the bins above this thread's
+  {
+    const int v = sm.wsum[lane];  // the warps' totals, reduced in registers
+    int t = v, u = lane > warp ? v : 0;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      t += __shfl_xor_sync(kFull, t, o);
+      u += __shfl_xor_sync(kFull, u, o);
+    }
+    total = t;
+    above += u;
+  }
+  int* out = a.o + b * a.so_b + s * a.so_s;
+  if (total == 0) {  // nothing above -inf
+    for (int i = tid; i < a.K; i += kCtaThreads) out[i] = -1;
+    return;
+  }
+  const bool all = total <= a.K;  // every candidate is kept
+  if (c > 0 && above < a.K) {     // bins that may hold kept keys: exclusive suffix sums, and the k-th key's bin
+    uint32_t* hw = sm.hist + 32 * tid;
+    int run = above;
+#pragma unroll 1
+    for (int i = 31; i >= 0; --i) {
+      const uint32_t w = hw[i];
+      const int hi = static_cast<int>(w >> 16), lo = static_cast<int>(w & 0xFFFFu);
+      const int s_hi = run, s_lo = run + hi;
+      run = s_lo + lo;
+      if (!all && s_lo < a.K && run >= a.K) sm.T = 64 * tid + 2 * i, sm.gt = s_lo, sm.cntT = lo;
+      if (!all && s_hi < a.K && s_lo >= a.K) sm.T = 64 * tid + 2 * i + 1, sm.gt = s_hi, sm.cntT = hi;
+      hw[i] = static_cast<uint32_t>(s_lo) | (static_cast<uint32_t>(s_hi) << 16);
+    }
+  }
+  __syncthreads();
+  const uint32_t T = all ? 0u : static_cast<uint32_t>(sm.T);
+  const int gt = sm.gt, krem = a.K - gt;
+  const bool cut = !all && krem < sm.cntT;  // only the lowest entries of the keys equal to T
+  const uint32_t lowT = all ? 1u : cut ? T + 1u : T;  // keys from lowT up take their bin's slots
+  const int m = all ? total : a.K;
+
+  // 3. the kept pairs into the list
+  if (cut) {  // keys equal to T per (round, warp), in entry order -> exclusive prefix over the block
+#pragma unroll 1
+    for (int rd = 0; rd < R; ++rd) {
+      const int n = ties8(sm.keys[rd * kCtaThreads + tid], T);
+      int x = n;  // inclusive over lanes 0 .. lane
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(kFull, x, o);
+        if (lane >= o) x += y;
+      }
+      if (lane == 31) sm.tie[rd * kCtaWarps + warp] = x;
+    }
+    __syncthreads();
+    if (warp == 0) {  // exclusive scan of R x 32 per-(round, warp) counts, 4 consecutive per lane
+      const int L = R * kCtaWarps;
+      int v[kCtaRounds], acc = 0;
+#pragma unroll
+      for (int q = 0; q < kCtaRounds; ++q) {
+        v[q] = kCtaRounds * lane + q < L ? sm.tie[kCtaRounds * lane + q] : 0;
+        acc += v[q];
+      }
+      int x = acc;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(kFull, x, o);
+        if (lane >= o) x += y;
+      }
+      int run = x - acc;
+#pragma unroll
+      for (int q = 0; q < kCtaRounds; ++q) {
+        if (kCtaRounds * lane + q < L) sm.tie[kCtaRounds * lane + q] = run;
+        run += v[q];
+      }
+    }
+    __syncthreads();
+#pragma unroll 1
+    for (int rd = 0; rd < R; ++rd) {
+      const uint4 w = sm.keys[rd * kCtaThreads + tid];
+      const int n = ties8(w, T);
+      int x = n;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(kFull, x, o);
+        if (lane >= o) x += y;
+      }
+      int rank = sm.tie[rd * kCtaWarps + warp] + x - n;
+      const int e0 = 8 * (rd * kCtaThreads + tid);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        if (half_of(w, j) == T) {
+          if (rank < krem) sm.list[gt + rank] = (T << 16) | (0xFFFFu - static_cast<uint32_t>(e0 + j));
+          ++rank;
+        }
+      }
+    }
+  }
+#pragma unroll 1
+  for (int rd = 0; rd < R; ++rd) {
+    const uint4 w = sm.keys[rd * kCtaThreads + tid];
+    const int e0 = 8 * (rd * kCtaThreads + tid);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const uint32_t k = half_of(w, j);
+      if (k >= lowT) {
+        const uint32_t sh = 16u * (k & 1u);
+        const uint32_t slot = (atomicAdd(&sm.hist[k >> 1], 1u << sh) >> sh) & 0xFFFFu;
+        sm.list[slot] = (k << 16) | (0xFFFFu - static_cast<uint32_t>(e0 + j));
+      }
+    }
+  }
+  __syncthreads();
+
+  // 4. each pair's place in its bin's run (entry order), then -1 past m
+  if (tid < m) {
+    const uint32_t v = sm.list[tid];
+    int pos = tid;
+    const int run_end = cut ? gt : m;  // the slots of bins; past them (cut) the ties are in order already
+    if (tid < run_end) {
+      const uint32_t key = v >> 16;
+      int start = tid, better = 0;
+      while (start > 0 && (sm.list[start - 1] >> 16) == key) {
+        --start;
+        better += sm.list[start] > v ? 1 : 0;
+      }
+      for (int q = tid + 1; q < run_end && (sm.list[q] >> 16) == key; ++q) better += sm.list[q] > v ? 1 : 0;
+      pos = start + better;
+    }
+    out[pos] = static_cast<int>(0xFFFFu - (v & 0xFFFFu));
+  }
+  for (int i = m + tid; i < a.K; i += kCtaThreads) out[i] = -1;
+}
+
+cudaError_t launch_cta(const TopkArgs& a, int rows, bool pdl, cudaStream_t stream) {
+  static bool optin[kMaxDevices] = {};
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  if (dev >= kMaxDevices || !optin[dev]) {
+    e = cudaFuncSetAttribute(topk16_cta_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(sizeof(CtaSmem)));
+    if (e != cudaSuccess) return e;
+    if (dev < kMaxDevices) optin[dev] = true;
+  }
+  return launch_pdl(topk16_cta_kernel, dim3(rows), dim3(kCtaThreads), static_cast<int>(sizeof(CtaSmem)), pdl, stream,
+                    a);
+}
+
 template <int C>
 cudaError_t launch(const TopkArgs& a, int rows, bool pdl, cudaStream_t stream) {
   auto kernel = topk_select_kernel<C>;
@@ -447,9 +735,18 @@ int topk_select_cluster(int N, int rows) {
   return N <= 2048 ? 1 : N <= 4096 ? 2 : N <= 8192 ? 4 : 8;
 }
 
-cudaError_t topk_select_launch(const TopkArgs& a, int rows, bool pdl, cudaStream_t stream) {
+int topk_select_path(int N, int kind, int rows, int mode) {
+  const bool cta = kind != 2 && N <= kTopkCtaMaxN;
+  if (mode == 2) return cta ? 0 : -1;
+  return mode == 0 && cta && rows >= kTopkCtaMinRows ? 0 : 1;
+}
+
+cudaError_t topk_select_launch(const TopkArgs& a, int rows, int mode, bool pdl, cudaStream_t stream) {
   if (a.N < 1 || a.N > kTopkMaxN || a.K < 1 || a.K > a.N || a.K > kTopkMaxK || rows < 1 || rows > kTopkMaxRows)
     return cudaErrorInvalidValue;
+  const int path = topk_select_path(a.N, a.kind, rows, mode);
+  if (path < 0) return cudaErrorInvalidValue;
+  if (path == 0) return launch_cta(a, rows, pdl, stream);
   switch (topk_select_cluster(a.N, rows)) {
     case 1: return launch<1>(a, rows, pdl, stream);
     case 2: return launch<2>(a, rows, pdl, stream);
