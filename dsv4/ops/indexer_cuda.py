@@ -1,14 +1,14 @@
 """CUDA fast path of `topk_select` (dsv4/kernels/cuda/topk.cu): one launch, one CTA or one thread-block cluster per
 query row.
 
-Prefill chunks (9 or more rows) of 16-bit scores (bf16, f16) of at most 32768 entries take one CTA of 1024 threads a
-row: the row's keys and one histogram of all 65536 keys in shared memory, a suffix scan that finds the k-th largest key, each kept entry's
-slot from its key's bin, then its place among the equal keys by entry. Other rows (decode, fp32, longer) are split over 1-8
-CTAs of a cluster by their length (16 past 16K entries where the GPU holds every row's cluster of 16 at once); each
-holds its slice as order-preserving keys in shared memory. A radix select over the whole cluster (histograms
-exchanged through distributed shared memory) finds the k-th largest key; each CTA stores its kept entries into every
-CTA's list, and each CTA ranks its share of the list. Either way: descending score, ties to the lower entry, -1 past
-the entries above -inf; topk_select_ref's list bit for bit. `topk_applies`
+Prefill chunks (9 or more rows) of 16-bit scores (bf16, f16) of 4K-32K entries take one CTA of 1024 threads a row:
+the row's keys and one histogram of all 65536 keys in shared memory, a suffix scan that finds the k-th largest key,
+each kept entry's slot from its key's bin, then its place among the equal keys by entry. Other rows (decode, fp32,
+longer) are split over 1-8 CTAs of a cluster by their length (16 past 16K entries where the GPU holds every row's
+cluster of 16 at once); each holds its slice as order-preserving keys in shared memory. A radix select over the whole
+cluster (histograms exchanged through distributed shared memory) finds the k-th largest key; each CTA stores its kept
+entries into every CTA's list, and each CTA ranks its share of the list. Either way: descending score, ties to the
+lower entry, -1 past the entries above -inf; topk_select_ref's list bit for bit. `topk_applies`
 says whether the kernel can take a call (k <= 1024, rows of up to 256K entries, the CUDA build) and `topk_prefers`
 whether it is the faster there; the fast op runs it where both hold, the Triton kernels elsewhere. No host sync; the
 counts are read on the device (graph-safe).
@@ -54,15 +54,15 @@ def topk_prefers(scores: torch.Tensor) -> bool:
     B, S, N = scores.shape
     if N > 65536:
         return True
-    if B * S > 8:
+    if B * S > 8:  # the binding's default rule takes the one-CTA kernel for these (topk.h: kTopkCtaMinRows / MinN)
         return topk_cta_applies(scores) and N >= 4096
     return N > 8192
 
 
 def topk_select(scores: torch.Tensor, n_visible: torch.Tensor, k: int, kernel: str = "auto") -> torch.Tensor:
     """topk_select_ref's contract for the calls `topk_applies` takes: idx [B, S, k] int32. kernel: "auto" (one CTA a
-    row for 9 or more rows where it applies: 16-bit scores, N <= CTA_MAX_N; else the clusters), "cluster" or "cta"
-    (tests, benchmarks)."""
+    row for 9 or more rows of 4K or more entries where it applies: 16-bit scores, N <= CTA_MAX_N; else the clusters),
+    "cluster" or "cta" (tests, benchmarks)."""
     B, S, _ = scores.shape
     o = torch.empty(B, S, k, dtype=torch.int32, device=scores.device)
     cuda_kernels.load().topk_select(scores, n_visible, o, PDL, _MODES[kernel])

@@ -80,8 +80,9 @@ def test_every_cluster_size_and_its_edges(N):
     if N > 16384 and torch.cuda.get_device_properties(0).multi_processor_count >= 132:  # an H100 / H200 SXM
         assert wide == 16 and mod.topk_select_cluster(N, 8) == 16
     assert mod.topk_select_cluster(N, 65535) == portable  # more rows than the device holds clusters of 16 at once
-    # the default: one CTA a row for 9 or more 16-bit rows of up to 32K entries (prefill), the clusters otherwise
-    assert mod.topk_select_path(N, 0, 9, 0) == (0 if N <= 32768 else 1) and mod.topk_select_path(N, 0, 8, 0) == 1
+    # the default: one CTA a row for 9 or more 16-bit rows of 4K-32K entries (prefill), the clusters otherwise
+    assert mod.topk_select_path(N, 0, 9, 0) == (0 if 4096 <= N <= 32768 else 1)
+    assert mod.topk_select_path(N, 0, 8, 0) == 1
     assert mod.topk_select_path(N, 2, 128, 0) == 1 and mod.topk_select_path(N, 1, 1, 2) == (0 if N <= 32768 else -1)
     check(scores(2, N, N), counts(2, N, max(N - 3, 0)), min(N, 512))
 
@@ -137,14 +138,15 @@ def test_one_cta_runs_of_equal_keys_and_full_bins():
     x[0, 1, perm[1][:300]] = 3.0
     x[0, 1, perm[1][300:512]] = 2.0  # 300 + 212 of 212: kept whole, then 1.0 below
     x[0, 2, perm[2][:511]] = 5.0  # one run of 511 above a cut run of 1.0
-    x[0, 3, perm[3][:40]] = torch.arange(40, dtype=torch.float32)  # distinct keys, then 19960 tied at 1.0 (0: at 1.0)
+    x[0, 3, perm[3][:40]] = torch.arange(40, dtype=torch.float32)  # 38 distinct keys above 19961 tied at 1.0, 0.0 below
     for dtype in (torch.bfloat16, torch.float16):
         got = check(x.to(dtype).cuda(), counts(4, 20000), 512)
     assert got[0, 0, :300].tolist() == sorted(perm[0][:300].tolist())
     assert got[0, 1, 300:].tolist() == sorted(perm[1][300:512].tolist())
-    # full rows: 32768 equal keys (one bin's count 32768), all zeros, all -0.0 and +0.0 mixed
+    # full rows: 32768 equal keys (one bin's count 32768, in the low half of its word for 1.5, the high half for
+    # 1.0078125), all zeros, all -0.0 and +0.0 mixed
     ic = _mod()
-    for v in (1.5, 0.0):
+    for v in (1.5, 1.0078125, 0.0):
         y = torch.full((1, 1, 32768), v, dtype=torch.bfloat16, device="cuda")
         y[..., 1::2] = -v if v == 0.0 else v
         got = check(y, counts(1, 32768), 1024)
@@ -196,23 +198,30 @@ def test_graph_replay_follows_new_counts(S):
     assert_bitwise_equal(out, topk_select_ref(x, n_vis, 512), "replay after a new count")
 
 
-def test_fast_op_routes_here_and_limits_go_to_triton():
+def test_fast_op_routes_here_and_limits_go_to_triton(monkeypatch):
     from dsv4 import ops
     from dsv4.ops import indexer_triton
 
     ic = _mod()
+    mod = cuda_kernels.load()
+    calls = []  # (rows, N) of every call that reaches the CUDA binding
+    real = ic.topk_select
+    monkeypatch.setattr(ic, "topk_select", lambda s, *a, **kw: calls.append(s.shape[1:]) or real(s, *a, **kw))
     x = tied_scores(1, 1, 32768, seed=12, dtype=torch.bfloat16, device="cuda")
     n_vis = counts(1, 32000)
     assert ic.topk_prefers(x)  # decode at 128K context: the clusters
-    assert_bitwise_equal(ops.OPS["topk_select"].fast(x, n_vis, 512), ic.topk_select(x, n_vis, 512, kernel="cluster"),
-                         "routed")
+    assert_bitwise_equal(ops.OPS["topk_select"].fast(x, n_vis, 512), real(x, n_vis, 512, kernel="cluster"), "routed")
+    assert calls == [(1, 32768)] and mod.topk_select_path(32768, 0, 1, 0) == 1
     assert not ic.topk_prefers(x[..., :8192])  # decode at <= 32K context: Triton
     # prefill chunks of 16-bit scores from 16K to 128K context (4K-32K entries): one CTA a row
     chunk = tied_scores(1, 9, 32768, seed=16, dtype=torch.bfloat16, device="cuda")
     nv9 = counts(9, 32768, 30000, 700)
     assert ic.topk_prefers(chunk) and ic.topk_prefers(chunk[..., :4096])
-    assert_bitwise_equal(ops.OPS["topk_select"].fast(chunk, nv9, 512), ic.topk_select(chunk, nv9, 512, kernel="cta"),
+    assert_bitwise_equal(ops.OPS["topk_select"].fast(chunk, nv9, 512), real(chunk, nv9, 512, kernel="cta"),
                          "routed prefill")
+    assert calls[-1] == (9, 32768) and mod.topk_select_path(32768, 0, 9, 0) == 0
+    ops.OPS["topk_select"].fast(chunk[..., :4095].contiguous(), counts(9, 4095), 512)
+    assert len(calls) == 2  # 4095 entries: Triton
     assert not ic.topk_prefers(chunk[..., :4095])  # shorter rows: Triton
     assert not ic.topk_prefers(chunk.float())  # fp32 chunks: Triton
     assert not ic.topk_prefers(torch.empty(1, 9, 40000, dtype=torch.bfloat16, device="cuda"))  # past the CTA's rows

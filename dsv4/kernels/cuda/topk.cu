@@ -25,8 +25,11 @@
 // Three cluster barriers for 16-bit scores (four for fp32), no global scratch, no host sync (counts are read on the
 // device: graph-safe). Programmatic dependent launch: it waits for the scores' kernel before reading anything.
 // Every phase is a short dependent chain, so the kernel's cost is mostly fixed (~11 us for 32K entries, ~28 us for
-// 256K on an H200): it serves long decode rows; the Triton kernels are faster on short rows and prefill chunks
-// (dsv4/ops/indexer_cuda.py: topk_prefers).
+// 256K on an H200): it serves long decode rows and prefill chunks of more than 32K entries; the Triton kernels are
+// faster on short rows, and the one-CTA kernel on prefill chunks of 4K-32K 16-bit entries (dsv4/ops/indexer_cuda.py:
+// topk_prefers).
+// NaN scores (never produced by the model) are ordered by their bits in both kernels: a positive NaN above +inf, a
+// negative one below -inf (dropped), where the reference's sort puts every NaN first.
 #include <cooperative_groups.h>
 
 #include "common.h"
@@ -424,13 +427,17 @@ __global__ void __launch_bounds__(kThreads) topk_select_kernel(const TopkArgs a,
 //    ordered by key and only the order within a bin is arbitrary; when only some keys equal to T are kept, those
 //    go to gt + (their rank in entry order), from per-(round, warp) counts and one scan;
 // 4. each slot's pair walks its bin's run of the list (the same key: usually one or two) and is stored at the run's
-//    start plus the number of pairs in it with a lower entry: descending score, ties to the lower entry.
+//    start plus the number of pairs in it with a lower entry: descending score, ties to the lower entry. A run costs
+//    its length squared (k equal kept keys: ~k iterations a thread), which only rows with fewer than k distinct
+//    scores above the k-th reach (e.g. mostly exact zeros with few visible entries).
 // Pairs are 32-bit (key << 16 | 0xFFFF - entry). Four or six block barriers after the loads, no cluster.
 // The kernel runs once per row from cold instruction caches, so its code is kept short: every phase is a rolled loop
 // over the rounds reading the keys from shared memory (a first version kept the row in registers, each phase unrolled
 // over the rounds: ~6,000 SASS instructions, 9.2 us at 4K entries and 16.8 at 32K).
 constexpr int kCtaThreads = 1024, kCtaWarps = kCtaThreads / 32;
 constexpr int kCtaRounds = kTopkCtaMaxN / (8 * kCtaThreads);  // 4: 8 entries a thread and round
+static_assert(kTopkCtaMaxN < 65536 && kTopkCtaMaxN % (8 * kCtaThreads) == 0,
+              "16-bit counts and sums (at most N each), whole rounds of 8 entries a thread");
 constexpr uint32_t kZeroKey = 0x8000u;                       // the key of 0.0
 
 struct alignas(16) CtaSmem {
@@ -498,7 +505,8 @@ __global__ void __launch_bounds__(kCtaThreads, 1) topk16_cta_kernel(const TopkAr
       uint32_t w[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        if (e0 + j < nv) w[j / 2] |= static_cast<uint32_t>(__ldcg(reinterpret_cast<const unsigned short*>(xs) + e0 + j)) << (16 * (j & 1));
+        const unsigned short* p = reinterpret_cast<const unsigned short*>(xs) + e0 + j;
+        if (e0 + j < nv) w[j / 2] |= static_cast<uint32_t>(__ldcg(p)) << (16 * (j & 1));
       }
       sm.keys[rd * kCtaThreads + tid] = make_uint4(w[0], w[1], w[2], w[3]);
     }
@@ -738,7 +746,7 @@ int topk_select_cluster(int N, int rows) {
 int topk_select_path(int N, int kind, int rows, int mode) {
   const bool cta = kind != 2 && N <= kTopkCtaMaxN;
   if (mode == 2) return cta ? 0 : -1;
-  return mode == 0 && cta && rows >= kTopkCtaMinRows ? 0 : 1;
+  return mode == 0 && cta && rows >= kTopkCtaMinRows && N >= kTopkCtaMinN ? 0 : 1;
 }
 
 cudaError_t topk_select_launch(const TopkArgs& a, int rows, int mode, bool pdl, cudaStream_t stream) {

@@ -16,18 +16,19 @@ struct TopkArgs {
 constexpr int kTopkMaxK = 1024;         // a list of at most this many entries per row
 constexpr int kTopkMaxN = 256 * 1024;   // entries of one row: 8 CTAs x 32K keys in shared memory (1M tokens / 4)
 constexpr int kTopkMaxRows = 65535;     // rows (B * S): the grid's second dimension
-constexpr int kTopkCtaMaxN = 32768;     // the one-CTA kernel's rows (16-bit scores): keys and histogram in shared memory
+constexpr int kTopkCtaMaxN = 32768;     // the one-CTA kernel's rows (16-bit scores): keys + histogram in shared memory
 
 // the CTAs of one row's cluster for `rows` rows of N entries (1, 2, 4 or 8; 16 past 16K entries where the current
 // device holds `rows` clusters of 16 at once)
 int topk_select_cluster(int N, int rows);
 
-constexpr int kTopkCtaMinRows = 9;      // the one-CTA kernel's calls by default: prefill chunks (a decode step's 1-8
-                                        // rows of up to 32K entries are faster on the clusters: 11.2 against 19.2 us)
+constexpr int kTopkCtaMinRows = 9;      // the one-CTA kernel's calls by default: prefill chunks of at least
+constexpr int kTopkCtaMinN = 4096;      // 4K entries (a decode row of 32K entries: 11.2 us on the clusters against
+                                        // 19.2; 128 rows of 256 entries: 7.9 against 15.7)
 
 // which kernel takes a call: 0 the one-CTA kernel (16-bit scores, N <= kTopkCtaMaxN), 1 the clusters; mode 0 picks
-// (the one-CTA kernel where it applies to kTopkCtaMinRows rows or more), 1 forces the clusters, 2 the one-CTA kernel
-// (-1: it does not apply)
+// (the one-CTA kernel where it applies to kTopkCtaMinRows rows or more of kTopkCtaMinN entries or more), 1 forces the
+// clusters, 2 the one-CTA kernel (-1: it does not apply)
 int topk_select_path(int N, int kind, int rows, int mode);
 
 // one CTA of 1024 threads per row (path 0) or grid C x rows (C = topk_select_cluster(N, rows)); 1 <= K <= min(N,
