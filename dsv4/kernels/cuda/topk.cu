@@ -458,6 +458,16 @@ __device__ __forceinline__ uint32_t half_of(const uint4& w, int j) {
   return (q >> (16 * (j & 1))) & 0xFFFFu;
 }
 
+// inclusive prefix sum of v over lanes 0 .. lane of a full warp
+__device__ __forceinline__ int warp_incl_scan(int v, int lane) {
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(kFull, v, o);
+    if (lane >= o) v += y;
+  }
+  return v;
+}
+
 // keys equal to T among 8
 __device__ __forceinline__ int ties8(const uint4& keys, uint32_t T) {
   int n = 0;
@@ -601,12 +611,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) topk16_cta_kernel(const TopkAr
 #pragma unroll 1
     for (int rd = 0; rd < R; ++rd) {
       const int n = ties8(sm.keys[rd * kCtaThreads + tid], T);
-      int x = n;  // inclusive over lanes 0 .. lane
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int y = __shfl_up_sync(kFull, x, o);
-        if (lane >= o) x += y;
-      }
+      const int x = warp_incl_scan(n, lane);  // over lanes 0 .. lane
       if (lane == 31) sm.tie[rd * kCtaWarps + warp] = x;
     }
     __syncthreads();
@@ -618,13 +623,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) topk16_cta_kernel(const TopkAr
         v[q] = kCtaRounds * lane + q < L ? sm.tie[kCtaRounds * lane + q] : 0;
         acc += v[q];
       }
-      int x = acc;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int y = __shfl_up_sync(kFull, x, o);
-        if (lane >= o) x += y;
-      }
-      int run = x - acc;
+      int run = warp_incl_scan(acc, lane) - acc;
 #pragma unroll
       for (int q = 0; q < kCtaRounds; ++q) {
         if (kCtaRounds * lane + q < L) sm.tie[kCtaRounds * lane + q] = run;
@@ -636,13 +635,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) topk16_cta_kernel(const TopkAr
     for (int rd = 0; rd < R; ++rd) {
       const uint4 w = sm.keys[rd * kCtaThreads + tid];
       const int n = ties8(w, T);
-      int x = n;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int y = __shfl_up_sync(kFull, x, o);
-        if (lane >= o) x += y;
-      }
-      int rank = sm.tie[rd * kCtaWarps + warp] + x - n;
+      int rank = sm.tie[rd * kCtaWarps + warp] + warp_incl_scan(n, lane) - n;
       const int e0 = 8 * (rd * kCtaThreads + tid);
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
