@@ -17,7 +17,10 @@ layers over a 128-token cycle, "(cycle)": a layer of compression ratio r emits a
 128 tokens; the state filled at random before the prompt), eager and (fast MoE) as the engine runs it, the full
 chunks after the first through the prefill graphs (dsv4/graphs.py PrefillRunner): per layer ms per 1K prompt
 tokens (CUDA events between layers), the whole prefill's wall time, and the projection to 43 layers in ms and
-prompt tokens per second; with --profile also one eager chunk's GPU time per layer kind split by op.
+prompt tokens per second; with --profile also one eager chunk's GPU time per layer kind split by op; with
+--timeline also how busy the GPU is over one prefill through the prefill graphs (the union of its kernels' intervals
+against their span) and its largest idle gaps, which tells a prefill that waits on the host from one bound by its
+kernels.
 
 --fuse-pre times the model with each layer's attention input made by the FFN op of the layer before
 (Transformer.fuse_pre, ops.moe_post_pre; off by default): so that the last benchmarked layer then does the work it
@@ -363,6 +366,50 @@ def time_prefill(model, state, ctx: int, tokens: int, devices, runner=None) -> d
             "layer_ms": layer_ms, "mode": "graphs" if runner is not None else "eager"}
 
 
+def busy_gaps(kernels: list[tuple[float, float, str]], top: int = 10) -> dict:
+    """How busy the GPU was over a run: kernels as (start, end, name), us, from any number of streams. The busy time is
+    the union of their intervals; the span runs from the first start to the last end; every idle stretch (no kernel
+    running on any stream) is a gap, summed by size (<1, 1-5, 5-20, 20-100, >=100 us) and the `top` largest listed with
+    the kernels that end before and start after it (at_us: from the first start)."""
+    ks = sorted(kernels, key=lambda k: k[0])
+    if not ks:
+        return {"span_us": 0.0, "busy_us": 0.0, "kernels": 0, "idle_us_by_gap": {}, "top_gaps": []}
+    t0 = ks[0][0]
+    busy, gaps, cur_end, last = 0.0, [], ks[0][0], ks[0][2]
+    for start, end, name in ks:
+        if start > cur_end:
+            gaps.append((start - cur_end, last, name, cur_end - t0))
+        if end > cur_end:
+            busy += end - max(start, cur_end)
+            cur_end, last = end, name
+    by_size: dict[str, float] = {}
+    for g, *_ in gaps:
+        size = "<1" if g < 1 else "1-5" if g < 5 else "5-20" if g < 20 else "20-100" if g < 100 else ">=100"
+        by_size[size] = by_size.get(size, 0.0) + g
+    gaps.sort(key=lambda g: -g[0])
+    return {"span_us": cur_end - t0, "busy_us": busy, "kernels": len(ks), "idle_us_by_gap": by_size,
+            "top_gaps": [{"us": g, "after": a, "before": b, "at_us": at} for g, a, b, at in gaps[:top]]}
+
+
+def prefill_busy(model, state, ctx: int, tokens: int, devices, runner=None) -> dict:
+    """One prefill of the benchmark's prompt (after time_prefill ran it: warm) under the profiler: busy_gaps over
+    its kernels on the first device. Whether the GPU waits on the host (an eager chunk's launches) or on nothing."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = pf_ids(model, ctx, tokens)
+    for d in dict.fromkeys(devices):
+        torch.cuda.synchronize(d)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        prefill_run(model, state, ids, ctx - tokens, False, runner=runner)
+        for d in dict.fromkeys(devices):
+            torch.cuda.synchronize(d)
+    dev = torch.device(devices[0]).index or 0
+    kern = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+            if e.device_type.name == "CUDA" and getattr(e, "device_index", dev) == dev]
+    return busy_gaps(kern)
+
+
 def project_prefill(pf: dict, cfg, kinds: dict, tokens: int) -> dict:
     """Adds the 43-layer projection (ms per 1K prompt tokens, tok/s) from the per-layer times by layer kind."""
     by_kind = {}
@@ -525,7 +572,9 @@ def main(argv=None) -> int:
     p.add_argument("--timeline", action="store_true",
                    help="also print the kernels of one layer's decode graph per layer kind as its replays run them "
                         "(start and end of each, median of 5 replays: what overlaps what; at ctx-2 too where a layer "
-                        "defers its compressors there)")
+                        "defers its compressors there); with --prefill, also how busy the GPU is over one prefill "
+                        "through the prefill graphs (the union of its kernels' intervals against their span) and its "
+                        "largest idle gaps")
     p.add_argument("--launches", action="store_true",
                    help="also print the launch of every kernel of one layer's decode graph per layer kind (at ctx-1): "
                         "CTAs, threads, registers, shared memory, the CTAs an SM holds (occupancy arithmetic) and "
@@ -679,6 +728,8 @@ def main(argv=None) -> int:
                 runner = PrefillRunner(model, state, PREFILL_CHUNK)
                 row["prefill_graphs"] = project_prefill(time_prefill(model, state, ctx, args.prefill, devices, runner),
                                                         cfg, kinds, args.prefill)
+                if args.timeline:
+                    row["prefill_graphs"]["busy"] = prefill_busy(model, state, ctx, args.prefill, devices, runner)
                 runner = None
             if args.profile:
                 keep: dict = {}
@@ -793,6 +844,16 @@ def main(argv=None) -> int:
                 print(f"{r['context']:>8} | {pf['mode']:>6} | {pf['wall_ms']:>8.2f} | {layers:<48} | "
                       f"{'' if proj is None else f'{proj:.1f}':>15} | "
                       f"{'' if proj is None else f'{1e6 / proj:.0f}':>15}")
+    for r in results:
+        busy = r.get("prefill_graphs", {}).get("busy")
+        if busy and busy["span_us"] > 0:
+            sizes = ", ".join(f"{k} us: {v / 1e3:.2f}" for k, v in busy["idle_us_by_gap"].items())
+            print(f"prefill ctx {r['context']} (graphs), one profiled run: GPU busy {busy['busy_us'] / 1e3:.2f} of "
+                  f"{busy['span_us'] / 1e3:.2f} ms ({100 * busy['busy_us'] / busy['span_us']:.0f}%), {busy['kernels']} "
+                  f"kernels; idle ms by gap size: {sizes}")
+            for g in busy["top_gaps"]:
+                print(f"    gap {g['us']:8.1f} us at {g['at_us'] / 1e3:8.3f} ms: after {g['after'][:56]:<56} "
+                      f"before {g['before'][:56]}")
     for r in results:
         for kind, pr in r.get("prefill", {}).get("profile", {}).items():
             parts = ", ".join(f"{k} {v:.3f}" for k, v in pr["split_ms"].items())

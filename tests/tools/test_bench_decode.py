@@ -93,3 +93,20 @@ def test_graph_launches_reads_a_captured_graph():
     assert sm["sms"] == torch.cuda.get_device_properties(dev).multi_processor_count and sm["smem"] >= 100 * 1024
     rows = bd.launch_rows(got, sm)
     assert rows[0]["per_sm"] >= 1 and rows[0]["waves"] < 1
+
+
+def test_busy_gaps_takes_the_union_over_streams_and_sizes_the_idle_gaps():
+    # two streams overlapping (0-10 and 4-12), a 3 us gap, a kernel inside another (20-30 holds 22-25), a 150 us gap,
+    # and a 0.5 us one
+    ks = [(20.0, 30.0, "c"), (4.0, 12.0, "b"), (0.0, 10.0, "a"), (22.0, 25.0, "inner"), (15.0, 20.0, "c0"),
+          (180.0, 190.0, "d"), (190.5, 191.0, "e")]
+    got = bd.busy_gaps(ks, top=2)
+    assert got["kernels"] == 7
+    assert got["span_us"] == 191.0
+    assert got["busy_us"] == 12.0 + 15.0 + 10.0 + 0.5  # 0-12, 15-30, 180-190, 190.5-191
+    assert got["idle_us_by_gap"] == {"1-5": 3.0, ">=100": 150.0, "<1": 0.5}
+    assert got["top_gaps"] == [{"us": 150.0, "after": "c", "before": "d", "at_us": 30.0},
+                               {"us": 3.0, "after": "b", "before": "c0", "at_us": 12.0}]
+    # back to back: no gap; nothing: an empty report
+    assert bd.busy_gaps([(0.0, 1.0, "x"), (1.0, 2.0, "y")])["idle_us_by_gap"] == {}
+    assert bd.busy_gaps([]) == {"span_us": 0.0, "busy_us": 0.0, "kernels": 0, "idle_us_by_gap": {}, "top_gaps": []}
