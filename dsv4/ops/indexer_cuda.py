@@ -46,7 +46,7 @@ def topk_applies(scores: torch.Tensor, n_visible: torch.Tensor, k: int) -> bool:
 
 def topk_prefers(scores: torch.Tensor) -> bool:
     """Where a CUDA kernel beats the Triton one (bench_ops, H200, docs/performance.md nineteenth and fifty-first
-    passes): decode rows (up to 8) of more than 8K entries on the clusters (11.2 against 22.5 us at 32K entries; the
+    passes): decode rows (up to 8) of more than 8K entries on the clusters (9.6 against 22.5 us at 32K entries; the
     one-CTA kernel takes 19.2 there); prefill chunks of 16-bit scores of 4K-32K entries (16K-128K context) on one CTA a
     row (128 rows: 10.2 against 15.4 us at 4K entries, 21.2 against 55.8 at 32K); and every call on rows of more than
     64K entries (256 against 420 us for 128 rows of 256K). Everything else stays on Triton, whose fixed cost is lower

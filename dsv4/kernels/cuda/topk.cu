@@ -24,8 +24,9 @@
 //    order (descending score, ties to the lower entry).
 // Three cluster barriers for 16-bit scores (four for fp32), no global scratch, no host sync (counts are read on the
 // device: graph-safe). Programmatic dependent launch: it waits for the scores' kernel before reading anything.
-// Every phase is a short dependent chain, so the kernel's cost is mostly fixed (~11 us for 32K entries, ~28 us for
-// 256K on an H200): it serves long decode rows and prefill chunks of more than 32K entries; the Triton kernels are
+// Every phase is a short dependent chain, so the kernel's cost is mostly fixed (~9.6 us for 32K entries, ~18 us for
+// 256K on an H200; its per-CTA sums over a warp are single redux.sync instructions, and a coarse bin's 16 fine bins
+// are summed by one thread: 1.2-1.4 us less than shuffle trees, docs/performance.md fifty-third pass): it serves long decode rows and prefill chunks of more than 32K entries; the Triton kernels are
 // faster on short rows, and the one-CTA kernel on prefill chunks of 4K-32K 16-bit entries (dsv4/ops/indexer_cuda.py:
 // topk_prefers).
 // NaN scores (never produced by the model) are ordered by their bits in both kernels: a positive NaN above +inf, a
@@ -219,14 +220,17 @@ __global__ void __launch_bounds__(kThreads) topk_select_kernel(const TopkArgs a,
       const uint32_t k = p < SL ? keys[p] : 0u;
       if (k > neg && (pass == 0 || ((k ^ prefix) >> (shift + W)) == 0)) atomicAdd(&hist[(k >> shift) & (NB - 1)], 1);
     }
-    if (SUB > 1) {  // the coarse bins: sums of 16 consecutive fine bins (16 lanes each, conflict-free reads)
-      __syncthreads();
+    if (SUB > 1) {  // the coarse bins: sums of 16 consecutive fine bins, one a thread (its four 16-byte reads rotated
+      __syncthreads();  // by (tid / 2) % 4, so that the 8 threads of a phase hit distinct banks)
+      if (tid < 4096 / kSub) {
+        const int4* f = reinterpret_cast<const int4*>(hist + tid * kSub);
+        int c = 0;
 #pragma unroll
-      for (int i = tid; i < 4096; i += kThreads) {
-        int c = hist[i];
-#pragma unroll
-        for (int o = 1; o < kSub; o <<= 1) c += __shfl_xor_sync(kFull, c, o);
-        if ((i & (kSub - 1)) == 0) coarse[i / kSub] = c;
+        for (int q = 0; q < kSub / 4; ++q) {
+          const int4 v = f[(q + (tid >> 1)) & 3];
+          c += v.x + v.y + v.z + v.w;
+        }
+        coarse[tid] = c;
       }
     }
     const int* cbins = SUB > 1 ? coarse : hist;
@@ -274,9 +278,7 @@ __global__ void __launch_bounds__(kThreads) topk_select_kernel(const TopkArgs a,
     if (warp < 8) {  // per CTA: keys above the coarse bin
 #pragma unroll
       for (int rr = 0; rr < C; ++rr) {
-        int g = tid > dc && tid < NC ? h[rr] : 0;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) g += __shfl_xor_sync(kFull, g, o);
+        const int g = __reduce_add_sync(kFull, tid > dc && tid < NC ? h[rr] : 0);
         if (lane == 0) sm.part[warp][rr] = g;
       }
       if (SUB == 1 && last && tid == dc) {
@@ -303,9 +305,7 @@ __global__ void __launch_bounds__(kThreads) topk_select_kernel(const TopkArgs a,
       const int kf = kc - (__shfl_sync(kFull, sf - vf, df));
 #pragma unroll
       for (int rr = 0; rr < C; ++rr) {
-        int g = lane > df && lane < kSub ? hf[rr] : 0;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) g += __shfl_xor_sync(kFull, g, o);
+        const int g = __reduce_add_sync(kFull, lane > df && lane < kSub ? hf[rr] : 0);
         if (lane == 0) sm.part[8][rr] = g;
         if (last && lane == df) sm.eqc[rr] = hf[rr];
       }
@@ -405,9 +405,9 @@ __global__ void __launch_bounds__(kThreads) topk_select_kernel(const TopkArgs a,
       c3 += list[j + 3 * kRank] > v;
     }
     for (; j < m; j += kRank) c0 += list[j] > v;
-    int cnt = c0 + c1 + c2 + c3;
-#pragma unroll
-    for (int o = 1; o < kRank; o <<= 1) cnt += __shfl_xor_sync(kFull, cnt, o);
+    // the pair's kRank threads (an aligned group of lanes) sum their counts
+    const unsigned group = (kRank == 32 ? kFull : (1u << kRank) - 1u) << (lane & ~(kRank - 1));
+    const int cnt = __reduce_add_sync(group, c0 + c1 + c2 + c3);
     if (e < e1 && g8 == 0) out[cnt] = static_cast<int>(0xFFFFFFFFu - static_cast<uint32_t>(v));
   }
   for (int i = m + r * kThreads + tid; i < a.K; i += C * kThreads) out[i] = -1;
