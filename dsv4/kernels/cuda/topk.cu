@@ -26,9 +26,9 @@
 // device: graph-safe). Programmatic dependent launch: it waits for the scores' kernel before reading anything.
 // Every phase is a short dependent chain, so the kernel's cost is mostly fixed (~9.6 us for 32K entries, ~18 us for
 // 256K on an H200; its per-CTA sums over a warp are single redux.sync instructions, and a coarse bin's 16 fine bins
-// are summed by one thread: 1.2-1.4 us less than shuffle trees, docs/performance.md fifty-third pass): it serves long decode rows and prefill chunks of more than 32K entries; the Triton kernels are
-// faster on short rows, and the one-CTA kernel on prefill chunks of 4K-32K 16-bit entries (dsv4/ops/indexer_cuda.py:
-// topk_prefers).
+// are summed by one thread: 1.2-1.4 us less than shuffle trees, docs/performance.md fifty-third pass): it serves long
+// decode rows and prefill chunks of more than 32K entries; the Triton kernels are faster on short rows, and the
+// one-CTA kernel on prefill chunks of 4K-32K 16-bit entries (dsv4/ops/indexer_cuda.py: topk_prefers).
 // NaN scores (never produced by the model) are ordered by their bits in both kernels: a positive NaN above +inf, a
 // negative one below -inf (dropped), where the reference's sort puts every NaN first.
 #include <cooperative_groups.h>
