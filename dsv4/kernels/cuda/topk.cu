@@ -16,15 +16,21 @@
 //    from the C CTAs' 16 fine bins; and every CTA's count of keys above the digit. The result: the k-th largest key
 //    T, how many keys equal to T are taken (krem: the lowest entries), and per CTA how many keys lie above T and
 //    equal T;
+// 1'. instead, 16-bit scores in slices of at most 8192 keys (rows of up to 8192 x C entries): every CTA counts its keys
+//    in one histogram of all 65536 keys (16-bit counts, 128 KB, zeroed before the wait while the scores' kernel
+//    finishes; in the layers that zeroing is hidden, zeroing only the used parts after the wait is slower) and sums it
+//    in 256 coarse bins. After one cluster barrier every CTA copies the C CTAs' coarse sums (16-byte reads), finds the
+//    coarse bin, copies that bin's 256 counts from each CTA and finds T and the per-CTA counts as above;
 // 2. each CTA stores its kept keys as (key, ~entry) pairs into every CTA's list, at offsets those counts give (keys
 //    equal to T after all keys above it, in CTA order; within a CTA by entry when only some of them are kept);
-// 3. after a third cluster barrier, CTA r ranks its share of the list against the whole list (8 threads per pair, 16
+// 3. after the last cluster barrier, CTA r ranks its share of the list against the whole list (8 threads per pair, 16
 //    in clusters of 16, where a CTA's share is half as long):
 //    a pair's rank is the number of larger pairs, and the pairs are distinct, so o[rank] = entry is the reference's
 //    order (descending score, ties to the lower entry).
-// Three cluster barriers for 16-bit scores (four for fp32), no global scratch, no host sync (counts are read on the
-// device: graph-safe). Programmatic dependent launch: it waits for the scores' kernel before reading anything.
-// Every phase is a short dependent chain, so the kernel's cost is mostly fixed (~9.6 us for 32K entries, ~18 us for
+// Two cluster barriers for 16-bit scores in short slices (three in longer ones, four for fp32), no global scratch, no
+// host sync (counts are read on the device: graph-safe). Programmatic dependent launch: it waits for the scores'
+// kernel before reading anything.
+// Every phase is a short dependent chain, so the kernel's cost is mostly fixed (~8.7 us for 32K entries, ~17.5 us for
 // 256K on an H200; its per-CTA sums over a warp are single redux.sync instructions, and a coarse bin's 16 fine bins
 // are summed by one thread: 1.2-1.4 us less than shuffle trees, docs/performance.md fifty-third pass): it serves long
 // decode rows and prefill chunks of more than 32K entries; the Triton kernels are faster on short rows, and the
@@ -67,6 +73,12 @@ __host__ __device__ constexpr int slice_len(int N, int C) { return ((N + C - 1) 
 __host__ __device__ constexpr int rounds(int SL) { return (SL + kThreads - 1) / kThreads; }
 
 // dynamic shared memory: Small, the list (K pairs), the slice's keys, the per-(round, warp) tie counts
+// 16-bit scores in a cluster, slices of at most kWideSL keys: one histogram of all 65536 keys a CTA (16-bit counts, two
+// a word, 128 KB after the rest), so that T is found after one cluster barrier (the kernel's step 1')
+constexpr int kWideSL = 8192;
+constexpr int kWideBytes = 65536 * 2;
+__host__ __device__ constexpr bool wide_path(int C, int kind, int SL) { return C > 1 && kind != 2 && SL <= kWideSL; }
+
 __host__ __device__ constexpr int smem_bytes(int SL, int K) {
   return static_cast<int>(sizeof(Small)) + 8 * ((K + 1) / 2 * 2) + 4 * SL + 4 * rounds(SL) * kWarps;
 }
@@ -166,6 +178,12 @@ __device__ __forceinline__ unsigned long long make_pair(uint32_t key, int entry)
   return (static_cast<unsigned long long>(key) << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(entry));
 }
 
+// the offset of the wide histogram in dynamic shared memory, and the kernel's whole dynamic shared memory
+__host__ __device__ constexpr int wide_offset(int SL, int K) { return (smem_bytes(SL, K) + 15) / 16 * 16; }
+__host__ __device__ constexpr int smem_total(int C, int kind, int SL, int K) {
+  return wide_path(C, kind, SL) ? wide_offset(SL, K) + kWideBytes : smem_bytes(SL, K);
+}
+
 template <int C>
 __global__ void __launch_bounds__(kThreads) topk_select_kernel(const TopkArgs a, const int SL) {
   extern __shared__ __align__(16) unsigned char smem[];
@@ -188,6 +206,11 @@ __global__ void __launch_bounds__(kThreads) topk_select_kernel(const TopkArgs a,
 
   if (tid < kMaxC) sm.gt[tid] = 0, sm.eqc[tid] = 0;
   if (tid == 0) sm.cgt = 0, sm.ceq = 0;
+  const bool wide = wide_path(C, a.kind, SL);
+  uint32_t* h16 = reinterpret_cast<uint32_t*>(smem + wide_offset(SL, a.K));
+  if (wide) {  // zeroed while the scores kernel finishes
+    for (int i = tid; i < kWideBytes / 16; i += kThreads) reinterpret_cast<uint4*>(h16)[i] = make_uint4(0, 0, 0, 0);
+  }
   griddep_wait();  // the scores (and the counts) come from earlier kernels
   griddep_launch_dependents();
 
@@ -205,8 +228,129 @@ __global__ void __launch_bounds__(kThreads) topk_select_kernel(const TopkArgs a,
   uint32_t prefix = 0;
   int krem = 0;
   bool none = false;
+  if (wide) {
+    // 1'. (16-bit scores, short slices) one histogram of the 65536 keys per CTA, 256 coarse sums of 256 bins; after
+    // one cluster barrier: the coarse bin of the k-th key from all CTAs' coarse sums, then its 256 bins from all
+    // CTAs' histograms (copied into sm.hist[0] as [CTA][bin]), which give T and every CTA's counts above and at T
+#pragma unroll 4
+    for (int rd = 0; rd < R; ++rd) {
+      const int p = rd * kThreads + tid;
+      const uint32_t k = p < SL ? keys[p] : 0u;
+      if (k > neg) {
+        const uint32_t bin = k >> 16;
+        atomicAdd(&h16[bin >> 1], 1u << (16 * (bin & 1u)));
+      }
+    }
+    __syncthreads();
+    if (tid < 256) {  // coarse bin tid: words 128 tid ..; 16-byte reads rotated by tid (distinct banks in a phase)
+      const uint4* f = reinterpret_cast<const uint4*>(h16 + tid * 128);
+      uint32_t c = 0;  // both halves' sums stay below 2^16 (at most SL keys)
+#pragma unroll 8
+      for (int q = 0; q < 32; ++q) {
+        const uint4 w = f[(q + tid) & 31];
+        c += w.x + w.y + w.z + w.w;
+      }
+      sm.coarse[0][tid] = static_cast<int>((c & 0xFFFFu) + (c >> 16));
+    }
+    sync_all();  // every CTA's histogram and coarse sums are complete
+    int* call = sm.hist[1];  // [CTA][256 coarse sums], copied in 16-byte reads
+#pragma unroll
+    for (int i = tid; i < C * 64; i += kThreads) {
+      const int4* src = reinterpret_cast<const int4*>(cluster.map_shared_rank(sm.coarse[0], i >> 6));
+      reinterpret_cast<int4*>(call)[i] = src[i & 63];
+    }
+    __syncthreads();
+    int h[C];
+    int v = 0;
+    if (tid < 256) {
+#pragma unroll
+      for (int rr = 0; rr < C; ++rr) {
+        h[rr] = call[rr * 256 + tid];
+        v += h[rr];
+      }
+    }
+    int suf = v;  // coarse bins tid .. (warp's last), from the top
+    if (warp < 8) {
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_down_sync(kFull, suf, o);
+        if (lane + o < 32) suf += y;
+      }
+      if (lane == 0) sm.wsum[warp] = suf;
+    }
+    __syncthreads();
+    int total = 0;
+#pragma unroll
+    for (int w = 0; w < 8; ++w) {
+      total += sm.wsum[w];
+      if (w > warp) suf += sm.wsum[w];
+    }
+    krem = min(a.K, total);
+    none = krem == 0;
+    if (!none) {
+      if (tid < 256 && suf >= krem && suf - v < krem) sm.digit = tid, sm.krem = krem - (suf - v);
+      __syncthreads();
+      const int dc = sm.digit;
+      if (warp < 8) {  // per CTA: keys above the coarse bin
+#pragma unroll
+        for (int rr = 0; rr < C; ++rr) {
+          const int g = __reduce_add_sync(kFull, tid > dc ? h[rr] : 0);
+          if (lane == 0) sm.part[warp][rr] = g;
+        }
+      }
+      int* copy = sm.hist[0];  // [CTA][256 bins of coarse bin dc]: 32 16-byte reads a CTA, 8 bins each
+      if (tid < C * 32) {
+        const uint4 w = reinterpret_cast<const uint4*>(cluster.map_shared_rank(h16, tid >> 5) + dc * 128)[tid & 31];
+        int4* d = reinterpret_cast<int4*>(copy + 8 * tid);  // (tid >> 5) * 256 + 8 * (tid & 31)
+        d[0] = make_int4(w.x & 0xFFFFu, w.x >> 16, w.y & 0xFFFFu, w.y >> 16);
+        d[1] = make_int4(w.z & 0xFFFFu, w.z >> 16, w.w & 0xFFFFu, w.w >> 16);
+      }
+      __syncthreads();
+      int vf = 0;
+      if (tid < 256) {
+#pragma unroll
+        for (int rr = 0; rr < C; ++rr) vf += copy[rr * 256 + tid];
+      }
+      int sf = vf;  // bins tid .. (warp's last) of the coarse bin, from the top
+      if (warp < 8) {
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+          const int y = __shfl_down_sync(kFull, sf, o);
+          if (lane + o < 32) sf += y;
+        }
+        if (lane == 0) sm.wsum[8 + warp] = sf;
+      }
+      __syncthreads();
+#pragma unroll
+      for (int w = 0; w < 8; ++w) {
+        if (w > warp) sf += sm.wsum[8 + w];
+      }
+      const int kc = sm.krem;
+      if (tid < 256 && sf >= kc && sf - vf < kc) sm.fdigit = tid, sm.fkrem = kc - (sf - vf);
+      __syncthreads();
+      const int df = sm.fdigit;
+      if (warp < C) {  // CTA `warp`: its keys above T inside the coarse bin, and equal to T
+        int g = 0;
+#pragma unroll
+        for (int q = 0; q < 8; ++q) {
+          const int f = q * 32 + lane;
+          g += f > df ? copy[warp * 256 + f] : 0;
+        }
+        g = __reduce_add_sync(kFull, g);
+        if (lane == 0) sm.part[8][warp] = g, sm.eqc[warp] = copy[warp * 256 + df];
+      }
+      __syncthreads();
+      if (tid < C) {
+        int acc = 0;
+        for (int w = 0; w < 9; ++w) acc += sm.part[w][tid];
+        sm.gt[tid] += acc;
+      }
+      prefix = static_cast<uint32_t>(dc * 256 + df) << 16;
+      krem = sm.fkrem;
+    }
+  }
 #pragma unroll 1
-  for (int pass = 0; pass < passes; ++pass) {
+  for (int pass = 0; pass < (wide ? 0 : passes); ++pass) {
     const int W = pass == 0 ? 12 : a.kind == 2 ? (pass == 1 ? 12 : 8) : 4;  // this digit's bits
     const int shift = pass == 0 ? 20 : pass == 1 ? (a.kind == 2 ? 8 : 16) : 0;  // below it
     const int NB = 1 << W, SUB = NB > 256 ? kSub : 1, NC = NB / SUB;  // bins; fine bins per coarse bin
@@ -706,33 +850,38 @@ cudaError_t launch(const TopkArgs& a, int rows, bool pdl, cudaStream_t stream) {
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return e;
   if (dev >= kMaxDevices || !optin[dev]) {
-    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes(kSliceMax, kTopkMaxK));
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             max(smem_bytes(kSliceMax, kTopkMaxK), smem_total(C, 0, kWideSL, kTopkMaxK)));
     if (e == cudaSuccess && C > 8) e = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
     if (e != cudaSuccess) return e;
     if (dev < kMaxDevices) optin[dev] = true;
   }
   const int SL = slice_len(a.N, C);
-  return launch_ex(kernel, dim3(C, rows), dim3(kThreads), smem_bytes(SL, a.K), pdl, C, stream, a, SL);
+  return launch_ex(kernel, dim3(C, rows), dim3(kThreads), smem_total(C, a.kind, SL, a.K), pdl, C, stream, a, SL);
 }
 
-// clusters of 16 the current device holds at once (the widest slice's shared memory; 0: none, or no such size)
-int wide_clusters() {
-  static int held[kMaxDevices];
-  static bool asked[kMaxDevices];
+// clusters of 16 the current device holds at once, for rows of N entries (the shared memory of the band's widest
+// slice: the 16-bit histogram's band, slices of up to kWideSL keys, counts as if every row took it; 0: none, or no
+// such size)
+int wide_clusters(int N) {
+  static int held[2][kMaxDevices];
+  static bool asked[2][kMaxDevices];
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) return 0;
-  if (!asked[dev]) {
-    const int smem = smem_bytes(slice_len(kTopkMaxN, 16), kTopkMaxK);
-    held[dev] = max_active_clusters(topk_select_kernel<16>, 16, kThreads, smem, smem_bytes(kSliceMax, kTopkMaxK));
-    asked[dev] = true;
+  const int band = slice_len(N, 16) <= kWideSL ? 1 : 0;
+  if (!asked[band][dev]) {
+    const int smem = band ? smem_total(16, 0, kWideSL, kTopkMaxK) : smem_bytes(slice_len(kTopkMaxN, 16), kTopkMaxK);
+    held[band][dev] = max_active_clusters(topk_select_kernel<16>, 16, kThreads, smem,
+                                          max(smem_bytes(kSliceMax, kTopkMaxK), smem_total(16, 0, kWideSL, kTopkMaxK)));
+    asked[band][dev] = true;
   }
-  return held[dev];
+  return held[band][dev];
 }
 
 }  // namespace
 
 int topk_select_cluster(int N, int rows) {
-  if (N > 16384 && rows >= 1 && wide_clusters() >= rows) return 16;
+  if (N > 16384 && rows >= 1 && wide_clusters(N) >= rows) return 16;
   return N <= 2048 ? 1 : N <= 4096 ? 2 : N <= 8192 ? 4 : 8;
 }
 
