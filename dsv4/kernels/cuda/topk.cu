@@ -19,8 +19,9 @@
 // 1'. instead, 16-bit scores in slices of at most 8192 keys (rows of up to 8192 x C entries): every CTA counts its keys
 //    in one histogram of all 65536 keys (16-bit counts, 128 KB, zeroed before the wait while the scores' kernel
 //    finishes; in the layers that zeroing is hidden, zeroing only the used parts after the wait is slower) and sums it
-//    in 256 coarse bins. After one cluster barrier every CTA copies the C CTAs' coarse sums (16-byte reads), finds the
-//    coarse bin, copies that bin's 256 counts from each CTA and finds T and the per-CTA counts as above;
+//    in 256 coarse bins (16-bit sums, two a word). After one cluster barrier every CTA copies the C CTAs' coarse sums
+//    (16-byte reads), finds the coarse bin, copies that bin's 256 counts from each CTA and finds T and the per-CTA
+//    counts as above;
 // 2. each CTA stores its kept keys as (key, ~entry) pairs into every CTA's list, at offsets those counts give (keys
 //    equal to T after all keys above it, in CTA order; within a CTA by entry when only some of them are kept);
 // 3. after the last cluster barrier, CTA r ranks its share of the list against the whole list (8 threads per pair, 16
@@ -250,14 +251,16 @@ __global__ void __launch_bounds__(kThreads) topk_select_kernel(const TopkArgs a,
         const uint4 w = f[(q + tid) & 31];
         c += w.x + w.y + w.z + w.w;
       }
-      sm.coarse[0][tid] = static_cast<int>((c & 0xFFFFu) + (c >> 16));
+      c = (c & 0xFFFFu) + (c >> 16);
+      const uint32_t up = __shfl_down_sync(kFull, c, 1);
+      if ((tid & 1) == 0) sm.coarse[0][tid >> 1] = static_cast<int>(c | (up << 16));  // two 16-bit sums a word
     }
     sync_all();  // every CTA's histogram and coarse sums are complete
-    int* call = sm.hist[1];  // [CTA][256 coarse sums], copied in 16-byte reads
+    int* call = sm.hist[1];  // [CTA][128 words of two coarse sums], copied in 16-byte reads (512 bytes a CTA)
 #pragma unroll
-    for (int i = tid; i < C * 64; i += kThreads) {
-      const int4* src = reinterpret_cast<const int4*>(cluster.map_shared_rank(sm.coarse[0], i >> 6));
-      reinterpret_cast<int4*>(call)[i] = src[i & 63];
+    for (int i = tid; i < C * 32; i += kThreads) {
+      const int4* src = reinterpret_cast<const int4*>(cluster.map_shared_rank(sm.coarse[0], i >> 5));
+      reinterpret_cast<int4*>(call)[i] = src[i & 31];
     }
     __syncthreads();
     int h[C];
@@ -265,7 +268,7 @@ __global__ void __launch_bounds__(kThreads) topk_select_kernel(const TopkArgs a,
     if (tid < 256) {
 #pragma unroll
       for (int rr = 0; rr < C; ++rr) {
-        h[rr] = call[rr * 256 + tid];
+        h[rr] = (static_cast<uint32_t>(call[rr * 128 + (tid >> 1)]) >> (16 * (tid & 1))) & 0xFFFFu;
         v += h[rr];
       }
     }
