@@ -127,6 +127,29 @@ __device__ __forceinline__ void block_exscan(int* g, int L, int* red) {
   }
 }
 
+// suffix sums over threads 0..255 of v (bins from the top: thread t gets v[t] + ... + v[255]) and their total; every
+// thread calls it (a block barrier inside; threads past 255 get v plus nothing); wsum: 8 ints of scratch
+__device__ __forceinline__ int suffix_sum_256(int v, int* wsum, int& total) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  int suf = v;
+  if (warp < 8) {
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_down_sync(kFull, suf, o);
+      if (lane + o < 32) suf += y;
+    }
+    if (lane == 0) wsum[warp] = suf;
+  }
+  __syncthreads();
+  total = 0;
+#pragma unroll
+  for (int w = 0; w < 8; ++w) {
+    total += wsum[w];
+    if (w > warp) suf += wsum[w];
+  }
+  return suf;
+}
+
 // the slice's scores -> keys[0, SL): entries at or past nv (this slice's visible count) and keys at or below -inf's
 // become 0. 16-byte loads where the slice starts 16-byte aligned, else one element per load.
 __device__ __forceinline__ void load_keys(const TopkArgs& a, const unsigned char* xs, int nv, uint32_t* keys,
@@ -272,22 +295,8 @@ __global__ void __launch_bounds__(kThreads) topk_select_kernel(const TopkArgs a,
         v += h[rr];
       }
     }
-    int suf = v;  // coarse bins tid .. (warp's last), from the top
-    if (warp < 8) {
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int y = __shfl_down_sync(kFull, suf, o);
-        if (lane + o < 32) suf += y;
-      }
-      if (lane == 0) sm.wsum[warp] = suf;
-    }
-    __syncthreads();
-    int total = 0;
-#pragma unroll
-    for (int w = 0; w < 8; ++w) {
-      total += sm.wsum[w];
-      if (w > warp) suf += sm.wsum[w];
-    }
+    int total;
+    const int suf = suffix_sum_256(v, sm.wsum, total);  // coarse bins tid .. 255
     krem = min(a.K, total);
     none = krem == 0;
     if (!none) {
@@ -314,20 +323,8 @@ __global__ void __launch_bounds__(kThreads) topk_select_kernel(const TopkArgs a,
 #pragma unroll
         for (int rr = 0; rr < C; ++rr) vf += copy[rr * 256 + tid];
       }
-      int sf = vf;  // bins tid .. (warp's last) of the coarse bin, from the top
-      if (warp < 8) {
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-          const int y = __shfl_down_sync(kFull, sf, o);
-          if (lane + o < 32) sf += y;
-        }
-        if (lane == 0) sm.wsum[8 + warp] = sf;
-      }
-      __syncthreads();
-#pragma unroll
-      for (int w = 0; w < 8; ++w) {
-        if (w > warp) sf += sm.wsum[8 + w];
-      }
+      int ftotal;
+      const int sf = suffix_sum_256(vf, sm.wsum + 8, ftotal);  // bins tid .. 255 of the coarse bin
       const int kc = sm.krem;
       if (tid < 256 && sf >= kc && sf - vf < kc) sm.fdigit = tid, sm.fkrem = kc - (sf - vf);
       __syncthreads();
@@ -392,22 +389,8 @@ __global__ void __launch_bounds__(kThreads) topk_select_kernel(const TopkArgs a,
         v += h[rr];
       }
     }
-    int suf = v;  // bins tid .. (warp's last) from the top
-    if (warp < 8) {
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int y = __shfl_down_sync(kFull, suf, o);
-        if (lane + o < 32) suf += y;
-      }
-      if (lane == 0) sm.wsum[warp] = suf;
-    }
-    __syncthreads();
-    int total = 0;
-#pragma unroll
-    for (int w = 0; w < 8; ++w) {
-      total += sm.wsum[w];
-      if (w > warp) suf += sm.wsum[w];
-    }
+    int total;
+    const int suf = suffix_sum_256(v, sm.wsum, total);  // bins tid .. 255
     if (pass == 0) {
       krem = min(a.K, total);  // every candidate when fewer than k
       if (krem == 0) {
