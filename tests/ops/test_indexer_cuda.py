@@ -1,16 +1,16 @@
 """dsv4.ops.indexer_cuda (topk_select in one launch, dsv4/kernels/cuda/topk.cu) against topk_select_ref, bit for bit.
 
-GPU only. The list must be the reference's exactly: the same entries in the same order (descending score, ties to
-the lower entry), -1 past the entries above -inf. Inputs full of ties (exact zeros, -0.0, repeated values) at the
-Flash shapes (k = 512 of 256, 4K, 32K and 256K entries: 1K, 16K, 128K and 1M context; 1, 4 and 128 query rows;
-V4-Pro's k = 1024), each through every kernel that takes it (the clusters; one CTA a row for 16-bit rows of up to 32K
-entries); every cluster size and the lengths at its edges; the one-CTA kernel's runs of equal keys above, at and
-below the k-th key and its full 16-bit bins; keys that differ only in the bits of the last
-radix pass (16- and 32-bit); ties at the k-th key spread over several CTAs of a cluster (some CTAs keep all of theirs,
-one only its lowest entries, the others none); all-equal rows; rows with fewer visible entries than k, none, or
-visible -inf scores; odd lengths and rows that are not 16-byte aligned (the one-element load path); f16 and int32
-counts. Also: CUDA-graph replay == eager and follows new counts, the registered fast op routing here, the limits that
-route to Triton, and the binding's refusals.
+GPU only. The list must be the reference's exactly: the same entries in the same order (descending score, ties to the
+lower entry), -1 past the entries above -inf. Inputs full of ties (exact zeros, -0.0, repeated values) at the Flash
+shapes (k = 512 of 256, 4K, 32K and 256K entries: 1K, 16K, 128K and 1M context; 1, 4 and 128 query rows; V4-Pro's k =
+1024), each through every kernel that takes it (the clusters; one CTA a row for 16-bit rows of up to 32K entries);
+every cluster size and the lengths at its edges; the 16-bit histogram's widest slices (8192 keys a CTA); the one-CTA
+kernel's runs of equal keys above, at and below the k-th key and its full 16-bit bins; keys that differ only in the
+bits of the last radix pass (16- and 32-bit); ties at the k-th key spread over several CTAs of a cluster (some CTAs
+keep all of theirs, one only its lowest entries, the others none); all-equal rows; rows with fewer visible entries
+than k, none, or visible -inf scores; odd lengths and rows that are not 16-byte aligned (the one-element load path);
+f16 and int32 counts. Also: CUDA-graph replay == eager and follows new counts, the registered fast op routing here,
+the limits that route to Triton, and the binding's refusals.
 """
 
 from __future__ import annotations
@@ -86,6 +86,19 @@ def test_every_cluster_size_and_its_edges(N):
     assert mod.topk_select_path(N, 0, 8, 0) == 1
     assert mod.topk_select_path(N, 2, 128, 0) == 1 and mod.topk_select_path(N, 1, 1, 2) == (0 if N <= 32768 else -1)
     check(scores(2, N, N), counts(2, N, max(N - 3, 0)), min(N, 512))
+
+
+def test_16_bit_histogram_at_its_widest_slices():
+    # 17 rows of 64K entries: more rows than any device holds clusters of 16 at once in the 16-bit histogram's band, so
+    # clusters of 8 with slices of 8192 keys (its widest: ~204 KB of shared memory a CTA); then one value a row (8192
+    # equal keys a CTA, in the low half of a histogram word for 1.5, the high half for 1.0078125) with k = 1024
+    mod = cuda_kernels.load()
+    assert mod.topk_select_cluster(65536, 17) == 8
+    check(scores(17, 65536, 17), counts(17, 65536, 65533, 40000, 8191, 1), 512)
+    y = torch.full((1, 17, 65536), 1.5, dtype=torch.bfloat16, device="cuda")
+    y[:, 1::2] = 1.0078125
+    got = check(y, counts(17, 65536), 1024)
+    assert got[0, :].eq(torch.arange(1024, dtype=torch.int32, device="cuda")).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
