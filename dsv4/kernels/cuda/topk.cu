@@ -207,6 +207,10 @@ __host__ __device__ constexpr int wide_offset(int SL, int K) { return (smem_byte
 __host__ __device__ constexpr int smem_total(int C, int kind, int SL, int K) {
   return wide_path(C, kind, SL) ? wide_offset(SL, K) + kWideBytes : smem_bytes(SL, K);
 }
+// the 16-bit histogram's limits: a bin's count and a coarse bin's sum (at most a slice) fit 16 bits; the copy of one
+// coarse bin from every CTA ([CTA][256]) fits hist[0]; the widest slice fits Hopper's 227 KB of shared memory a CTA
+static_assert(kWideSL < 65536 && kMaxC * 256 <= 4096, "topk: the 16-bit histogram's counts or copy do not fit");
+static_assert(smem_total(kMaxC, 0, kWideSL, kTopkMaxK) <= 227 * 1024, "topk: the widest 16-bit slice's shared memory");
 
 template <int C>
 __global__ void __launch_bounds__(kThreads) topk_select_kernel(const TopkArgs a, const int SL) {
