@@ -211,6 +211,10 @@ __host__ __device__ constexpr int smem_total(int C, int kind, int SL, int K) {
 // coarse bin from every CTA ([CTA][256]) fits hist[0]; the widest slice fits Hopper's 227 KB of shared memory a CTA
 static_assert(kWideSL < 65536 && kMaxC * 256 <= 4096, "topk: the 16-bit histogram's counts or copy do not fit");
 static_assert(smem_total(kMaxC, 0, kWideSL, kTopkMaxK) <= 227 * 1024, "topk: the widest 16-bit slice's shared memory");
+// the clusters' shared-memory opt-in: the widest slice of either path
+constexpr int kClusterSmemMax = smem_bytes(kSliceMax, kTopkMaxK) > smem_total(kMaxC, 0, kWideSL, kTopkMaxK)
+                                    ? smem_bytes(kSliceMax, kTopkMaxK)
+                                    : smem_total(kMaxC, 0, kWideSL, kTopkMaxK);
 
 template <int C>
 __global__ void __launch_bounds__(kThreads) topk_select_kernel(const TopkArgs a, const int SL) {
@@ -840,8 +844,7 @@ cudaError_t launch(const TopkArgs& a, int rows, bool pdl, cudaStream_t stream) {
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return e;
   if (dev >= kMaxDevices || !optin[dev]) {
-    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             max(smem_bytes(kSliceMax, kTopkMaxK), smem_total(C, 0, kWideSL, kTopkMaxK)));
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kClusterSmemMax);
     if (e == cudaSuccess && C > 8) e = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
     if (e != cudaSuccess) return e;
     if (dev < kMaxDevices) optin[dev] = true;
@@ -861,8 +864,7 @@ int wide_clusters(int N) {
   const int band = slice_len(N, 16) <= kWideSL ? 1 : 0;
   if (!asked[band][dev]) {
     const int smem = band ? smem_total(16, 0, kWideSL, kTopkMaxK) : smem_bytes(slice_len(kTopkMaxN, 16), kTopkMaxK);
-    held[band][dev] = max_active_clusters(topk_select_kernel<16>, 16, kThreads, smem,
-                                          max(smem_bytes(kSliceMax, kTopkMaxK), smem_total(16, 0, kWideSL, kTopkMaxK)));
+    held[band][dev] = max_active_clusters(topk_select_kernel<16>, 16, kThreads, smem, kClusterSmemMax);
     asked[band][dev] = true;
   }
   return held[band][dev];
