@@ -21,17 +21,19 @@
 //    finishes; in the layers that zeroing is hidden, zeroing only the used parts after the wait is slower) and sums it
 //    in 256 coarse bins (16-bit sums, two a word). After one cluster barrier every CTA copies the C CTAs' coarse sums
 //    (16-byte reads), finds the coarse bin, copies that bin's 256 counts from each CTA and finds T and the per-CTA
-//    counts as above;
+//    counts as above; when the kept keys lie in at most kSpan coarse bins (usually 1-2), the same copy brings the
+//    others, and step 2' (rank_from_counts) places every kept key from the counts instead of steps 2 and 3 (no list,
+//    no last barrier);
 // 2. each CTA stores its kept keys as (key, ~entry) pairs into every CTA's list, at offsets those counts give (keys
 //    equal to T after all keys above it, in CTA order; within a CTA by entry when only some of them are kept);
 // 3. after the last cluster barrier, CTA r ranks its share of the list against the whole list (8 threads per pair, 16
 //    in clusters of 16, where a CTA's share is half as long):
 //    a pair's rank is the number of larger pairs, and the pairs are distinct, so o[rank] = entry is the reference's
 //    order (descending score, ties to the lower entry).
-// Two cluster barriers for 16-bit scores in short slices (three in longer ones, four for fp32), no global scratch, no
-// host sync (counts are read on the device: graph-safe). Programmatic dependent launch: it waits for the scores'
-// kernel before reading anything.
-// Every phase is a short dependent chain, so the kernel's cost is mostly fixed (~8.7 us for 32K entries, ~17.5 us for
+// Two cluster barriers for 16-bit scores in short slices (one and an arrive / wait pair through step 2'; three in
+// longer slices, four for fp32), no global scratch, no host sync (counts are read on the device: graph-safe).
+// Programmatic dependent launch: it waits for the scores' kernel before reading anything.
+// Every phase is a short dependent chain, so the kernel's cost is mostly fixed (~8.0 us for 32K entries, ~17.5 us for
 // 256K on an H200; its per-CTA sums over a warp are single redux.sync instructions, and a coarse bin's 16 fine bins
 // are summed by one thread: 1.2-1.4 us less than shuffle trees, docs/performance.md fifty-third pass): it serves long
 // decode rows and prefill chunks of more than 32K entries; the Triton kernels are faster on short rows, and the
@@ -67,6 +69,7 @@ struct alignas(16) Small {
   int gt[kMaxC];       // per CTA of the cluster: keys above T
   int eqc[kMaxC];      // per CTA: keys equal to T
   int digit, krem, fdigit, fkrem, cgt, ceq;
+  int cmax;  // step 1': the highest coarse bin with keys, over the cluster
 };
 
 __host__ __device__ constexpr int slice_len(int N, int C) { return ((N + C - 1) / C + 7) / 8 * 8; }
@@ -79,6 +82,10 @@ __host__ __device__ constexpr int rounds(int SL) { return (SL + kThreads - 1) / 
 constexpr int kWideSL = 8192;
 constexpr int kWideBytes = 65536 * 2;
 __host__ __device__ constexpr bool wide_path(int C, int kind, int SL) { return C > 1 && kind != 2 && SL <= kWideSL; }
+// step 2' (below) when the kept keys lie in at most kSpan coarse bins; its arrays after the 16-bit histogram: per bin of
+// the span its place (P), per (round, warp) the keys above T and equal to T
+constexpr int kSpan = 3;
+constexpr int kWideExtra = 4 * (kSpan * 256 + 2 * ((kWideSL + 511) / 512) * 16);
 
 __host__ __device__ constexpr int smem_bytes(int SL, int K) {
   return static_cast<int>(sizeof(Small)) + 8 * ((K + 1) / 2 * 2) + 4 * SL + 4 * rounds(SL) * kWarps;
@@ -205,18 +212,151 @@ __device__ __forceinline__ unsigned long long make_pair(uint32_t key, int entry)
 // the offset of the wide histogram in dynamic shared memory, and the kernel's whole dynamic shared memory
 __host__ __device__ constexpr int wide_offset(int SL, int K) { return (smem_bytes(SL, K) + 15) / 16 * 16; }
 __host__ __device__ constexpr int smem_total(int C, int kind, int SL, int K) {
-  return wide_path(C, kind, SL) ? wide_offset(SL, K) + kWideBytes : smem_bytes(SL, K);
+  return wide_path(C, kind, SL) ? wide_offset(SL, K) + kWideBytes + kWideExtra : smem_bytes(SL, K);
 }
 // the 16-bit histogram's limits: a bin's count and a coarse bin's sum (at most a slice) fit 16 bits; the copy of one
 // coarse bin from every CTA ([CTA][256]) fits hist[0]; the widest slice fits Hopper's 227 KB of shared memory a CTA
 static_assert(kWideSL < 65536 && kMaxC * 256 <= 4096, "topk: the 16-bit histogram's counts or copy do not fit");
+// step 2': the span's other coarse bins from every CTA, packed ([CTA][kSpan - 1][128 words]), fit hist[1]; its arrays
+static_assert(kMaxC * (kSpan - 1) * 128 <= 4096 && kThreads == 512 && kWarps == 16 && 2 * kThreads >= kSpan * 256,
+              "topk: step 2' layout");
 static_assert(smem_total(kMaxC, 0, kWideSL, kTopkMaxK) <= 227 * 1024, "topk: the widest 16-bit slice's shared memory");
 // the clusters' shared-memory opt-in: the widest slice of either path
 constexpr int kClusterSmemMax = smem_bytes(kSliceMax, kTopkMaxK) > smem_total(kMaxC, 0, kWideSL, kTopkMaxK)
                                     ? smem_bytes(kSliceMax, kTopkMaxK)
                                     : smem_total(kMaxC, 0, kWideSL, kTopkMaxK);
 
+// Step 2' (16-bit path, the kept keys in coarse bins dc .. cmax, at most kSpan): every kept key's place from counts,
+// no list. A key k above T: the cluster's keys in bins above k's (an exclusive scan over the span's bins from the top)
+// plus the keys in k's bin in the CTAs before this one plus this CTA's keys equal to k at lower entries; a key equal to
+// T: the keys above T, the ties in the CTAs before, its rank among this CTA's ties by entry (kept below eq_take). Each
+// CTA writes its own entries. Four block phases: (A) per bin of the span its cluster count and the CTAs-before count,
+// scanned within each warp, and per (round, warp) the keys above T and equal to T; (B) the bins' places, the two
+// per-(round, warp) scans; (C) this CTA's keys above T compacted in entry order, the ties written; (D) each compacted
+// key written at its bin's place plus its rank among equal keys (a warp match, and earlier chunks only where this CTA
+// holds the key more than once).
 template <int C>
+__device__ __forceinline__ void rank_from_counts(const TopkArgs& a, Small& sm, const uint32_t* keys, uint2* ck,
+                                                 const uint32_t* h16, int* P, uint32_t T, int krem, int dc, int cmax,
+                                                 int r, int p0, int SL, int* out) {
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int R = rounds(SL), RW = R * kWarps;
+  int* cgt = P + kSpan * 256;  // [R * kWarps]: keys above T per (round, warp), then their exclusive scan
+  int* ceq = cgt + RW;         // the same for the keys equal to T
+  int gt_total = 0, eq_before = 0;
+#pragma unroll
+  for (int rr = 0; rr < C; ++rr) {
+    gt_total += sm.gt[rr];
+    if (rr < r) eq_before += sm.eqc[rr];
+  }
+  const int m = gt_total + krem, gt_here = sm.gt[r];
+  const int eq_take = min(max(krem - eq_before, 0), sm.eqc[r]);
+  const int* copy = sm.hist[0];                                            // [CTA][256]: coarse bin dc
+  const uint32_t* xtab = reinterpret_cast<const uint32_t*>(sm.hist[1]);  // [CTA][kSpan - 1][128 words]: dc + 1 ..
+  const int nb = (cmax - dc + 1) * 256;
+  const unsigned lt = (1u << lane) - 1u;
+
+  // (A) bins j = 2 tid, 2 tid + 1 of the span from the top: j = (cmax - c) * 256 + 255 - f for bin f of coarse bin c
+  int g[2] = {0, 0}, bb[2] = {0, 0};
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    const int j = 2 * tid + q;
+    if (j < nb) {
+      const int x = cmax - dc - (j >> 8), f = 255 - (j & 255);  // x: the coarse bin's place above dc (0: dc itself)
+#pragma unroll
+      for (int rr = 0; rr < C; ++rr) {
+        const int c = x == 0 ? copy[rr * 256 + f]
+                             : static_cast<int>((xtab[(rr * (kSpan - 1) + x - 1) * 128 + (f >> 1)] >> (16 * (f & 1))) &
+                                                0xFFFFu);
+        g[q] += c;
+        bb[q] += rr < r ? c : 0;
+      }
+    }
+  }
+  const int s2 = g[0] + g[1];
+  int incl = s2;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(kFull, incl, o);
+    if (lane >= o) incl += y;
+  }
+  if (lane == 31) sm.wsum[warp] = incl;
+#pragma unroll 1
+  for (int rd = 0; rd < R; ++rd) {
+    const int p = rd * kThreads + tid;
+    const uint32_t k = p < SL ? keys[p] : 0u;
+    const unsigned ba = __ballot_sync(kFull, k > T), bt = __ballot_sync(kFull, k == T);
+    if (lane == 0) cgt[rd * kWarps + warp] = __popc(ba), ceq[rd * kWarps + warp] = __popc(bt);
+  }
+  __syncthreads();
+
+  // (B) the places; warps 0 and 1 scan the per-(round, warp) counts (segments of consecutive items a lane)
+  {
+    const int off = __reduce_add_sync(kFull, lane < warp ? sm.wsum[lane] : 0);
+    const int e0 = off + incl - s2;
+    if (2 * tid < nb) P[2 * tid] = e0 + bb[0];
+    if (2 * tid + 1 < nb) P[2 * tid + 1] = e0 + g[0] + bb[1];
+  }
+  if (warp < 2) {
+    int* c = warp == 0 ? cgt : ceq;
+    const int per = (RW + 31) / 32, lo = lane * per;
+    int sum = 0;
+    for (int q = 0; q < per; ++q) sum += lo + q < RW ? c[lo + q] : 0;
+    int run = sum;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(kFull, run, o);
+      if (lane >= o) run += y;
+    }
+    run -= sum;
+    for (int q = 0; q < per; ++q) {
+      if (lo + q < RW) {
+        const int t = c[lo + q];
+        c[lo + q] = run;
+        run += t;
+      }
+    }
+  }
+  __syncthreads();
+
+  // (C) the keys above T compacted in entry order as (bin, slice position); the kept ties written
+#pragma unroll 1
+  for (int rd = 0; rd < R; ++rd) {
+    const int p = rd * kThreads + tid;
+    const uint32_t k = p < SL ? keys[p] : 0u;
+    const unsigned ba = __ballot_sync(kFull, k > T), bt = __ballot_sync(kFull, k == T);
+    if (k > T) ck[cgt[rd * kWarps + warp] + __popc(ba & lt)] = make_uint2(k >> 16, static_cast<uint32_t>(p));
+    if (k == T) {
+      const int rank = ceq[rd * kWarps + warp] + __popc(bt & lt);
+      if (rank < eq_take) out[gt_total + eq_before + rank] = p0 + p;
+    }
+  }
+  __syncthreads();
+
+  // (D) chunks of 32 compacted keys a warp: a key's place is its bin's plus the equal keys before it in this CTA
+#pragma unroll 1
+  for (int c0 = warp * 32; c0 < gt_here; c0 += kThreads) {
+    const int i = c0 + lane;
+    const bool ok = i < gt_here;
+    const uint2 e = ok ? ck[i] : make_uint2(0xFFFFFFFFu, 0u);
+    const unsigned same = __match_any_sync(kFull, e.x);
+    if (ok) {
+      const uint32_t x = e.x;
+      int d = 0;
+      if (((h16[x >> 1] >> (16 * (x & 1u))) & 0xFFFFu) > 1u) {  // this CTA holds the key more than once
+        d = __popc(same & lt);
+        for (int jj = 0; jj < c0; ++jj) d += ck[jj].x == x ? 1 : 0;
+      }
+      const int j = (cmax - static_cast<int>(x >> 8)) * 256 + 255 - static_cast<int>(x & 255u);
+      out[P[j] + d] = p0 + static_cast<int>(e.y);
+    }
+  }
+  for (int i = m + r * kThreads + tid; i < a.K; i += C * kThreads) out[i] = -1;
+}
+
+// WIDE: the instance of step 1' (launched where wide_path holds), else of the digits; each its own instance, so that
+// neither path's code costs the other registers
+template <int C, bool WIDE>
 __global__ void __launch_bounds__(kThreads) topk_select_kernel(const TopkArgs a, const int SL) {
   extern __shared__ __align__(16) unsigned char smem[];
   Small& sm = *reinterpret_cast<Small*>(smem);
@@ -238,9 +378,10 @@ __global__ void __launch_bounds__(kThreads) topk_select_kernel(const TopkArgs a,
 
   if (tid < kMaxC) sm.gt[tid] = 0, sm.eqc[tid] = 0;
   if (tid == 0) sm.cgt = 0, sm.ceq = 0;
-  const bool wide = wide_path(C, a.kind, SL);
+  constexpr bool wide = WIDE;
+  static_assert(!WIDE || C > 1, "topk: step 1' needs a cluster");
   uint32_t* h16 = reinterpret_cast<uint32_t*>(smem + wide_offset(SL, a.K));
-  if (wide) {  // zeroed while the scores kernel finishes
+  if constexpr (wide) {  // zeroed while the scores kernel finishes
     for (int i = tid; i < kWideBytes / 16; i += kThreads) reinterpret_cast<uint4*>(h16)[i] = make_uint4(0, 0, 0, 0);
   }
   griddep_wait();  // the scores (and the counts) come from earlier kernels
@@ -260,7 +401,9 @@ __global__ void __launch_bounds__(kThreads) topk_select_kernel(const TopkArgs a,
   uint32_t prefix = 0;
   int krem = 0;
   bool none = false;
-  if (wide) {
+  bool ranks = false;  // step 2' (16-bit path): the kept keys lie in coarse bins dc2 .. cmax, at most kSpan of them
+  int dc2 = 0, cmax = 0;
+  if constexpr (wide) {
     // 1'. (16-bit scores, short slices) one histogram of the 65536 keys per CTA, 256 coarse sums of 256 bins; after
     // one cluster barrier: the coarse bin of the k-th key from all CTAs' coarse sums, then its 256 bins from all
     // CTAs' histograms (copied into sm.hist[0] as [CTA][bin]), which give T and every CTA's counts above and at T
@@ -309,8 +452,11 @@ __global__ void __launch_bounds__(kThreads) topk_select_kernel(const TopkArgs a,
     none = krem == 0;
     if (!none) {
       if (tid < 256 && suf >= krem && suf - v < krem) sm.digit = tid, sm.krem = krem - (suf - v);
+      if (tid < 256 && v > 0 && suf == v) sm.cmax = tid;  // the highest coarse bin with keys
       __syncthreads();
       const int dc = sm.digit;
+      dc2 = dc, cmax = sm.cmax;
+      ranks = cmax - dc < kSpan;  // the same in every CTA (the same sums)
       if (warp < 8) {  // per CTA: keys above the coarse bin
 #pragma unroll
         for (int rr = 0; rr < C; ++rr) {
@@ -319,12 +465,35 @@ __global__ void __launch_bounds__(kThreads) topk_select_kernel(const TopkArgs a,
         }
       }
       int* copy = sm.hist[0];  // [CTA][256 bins of coarse bin dc]: 32 16-byte reads a CTA, 8 bins each
+      // step 2': coarse bins dc + 1 .. cmax too, packed into hist[1] as [CTA][kSpan - 1][128 words], their reads in
+      // flight with bin dc's (the coarse sums' copy there has been read)
+      const int per = 32 * (cmax - dc), nx = ranks ? C * per : 0;
+      uint4 xw[kSpan - 1];
+#pragma unroll
+      for (int q = 0; q < kSpan - 1; ++q) {
+        const int i = tid + q * kThreads;
+        if (i < nx) {
+          const int rr = i / per, rem = i - rr * per;
+          xw[q] = reinterpret_cast<const uint4*>(cluster.map_shared_rank(h16, rr))[(dc + 1) * 32 + rem];
+        }
+      }
       if (tid < C * 32) {
         const uint4 w = reinterpret_cast<const uint4*>(cluster.map_shared_rank(h16, tid >> 5) + dc * 128)[tid & 31];
         int4* d = reinterpret_cast<int4*>(copy + 8 * tid);  // (tid >> 5) * 256 + 8 * (tid & 31)
         d[0] = make_int4(w.x & 0xFFFFu, w.x >> 16, w.y & 0xFFFFu, w.y >> 16);
         d[1] = make_int4(w.z & 0xFFFFu, w.z >> 16, w.w & 0xFFFFu, w.w >> 16);
       }
+#pragma unroll
+      for (int q = 0; q < kSpan - 1; ++q) {
+        const int i = tid + q * kThreads;
+        if (i < nx) {
+          const int rr = i / per, rem = i - rr * per;
+          reinterpret_cast<uint4*>(sm.hist[1])[rr * (kSpan - 1) * 32 + rem] = xw[q];
+        }
+      }
+      // step 2' reads no other CTA's memory after this: it arrives here and waits at its exit, so that its shared
+      // memory outlives the others' reads without a barrier between
+      if (ranks) asm volatile("barrier.cluster.arrive.aligned;" ::: "memory");
       __syncthreads();
       int vf = 0;
       if (tid < 256) {
@@ -466,6 +635,16 @@ __global__ void __launch_bounds__(kThreads) topk_select_kernel(const TopkArgs a,
     return;
   }
   __syncthreads();
+
+  if constexpr (wide) {
+    if (ranks) {
+      rank_from_counts<C>(a, sm, keys, reinterpret_cast<uint2*>(list), h16,
+                          reinterpret_cast<int*>(smem + wide_offset(SL, a.K) + kWideBytes), prefix, krem, dc2, cmax,
+                          r, p0, SL, out);
+      asm volatile("barrier.cluster.wait.aligned;" ::: "memory");  // the others are done reading this CTA
+      return;
+    }
+  }
 
   // 2. the kept pairs into every CTA's list
   const uint32_t T = prefix;
@@ -835,22 +1014,34 @@ cudaError_t launch_cta(const TopkArgs& a, int rows, bool pdl, cudaStream_t strea
                     a);
 }
 
-template <int C>
-cudaError_t launch(const TopkArgs& a, int rows, bool pdl, cudaStream_t stream) {
-  auto kernel = topk_select_kernel<C>;
-  // the largest slice's shared memory, set once per instantiation and device (the attribute is per device)
+// the largest slice's shared memory (and clusters of 16), set once per instance and device (the attribute is per device)
+template <int C, bool WIDE>
+cudaError_t opt_in() {
   static bool optin[kMaxDevices] = {};
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
-  if (e != cudaSuccess) return e;
-  if (dev >= kMaxDevices || !optin[dev]) {
-    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kClusterSmemMax);
-    if (e == cudaSuccess && C > 8) e = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-    if (e != cudaSuccess) return e;
-    if (dev < kMaxDevices) optin[dev] = true;
-  }
+  if (e != cudaSuccess || (dev < kMaxDevices && optin[dev])) return e;
+  auto kernel = topk_select_kernel<C, WIDE>;
+  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kClusterSmemMax);
+  if (e == cudaSuccess && C > 8) e = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+  if (e == cudaSuccess && dev < kMaxDevices) optin[dev] = true;
+  return e;
+}
+
+template <int C>
+cudaError_t launch(const TopkArgs& a, int rows, bool pdl, cudaStream_t stream) {
   const int SL = slice_len(a.N, C);
-  return launch_ex(kernel, dim3(C, rows), dim3(kThreads), smem_total(C, a.kind, SL, a.K), pdl, C, stream, a, SL);
+  const int smem = smem_total(C, a.kind, SL, a.K);
+  if constexpr (C > 1) {
+    if (wide_path(C, a.kind, SL)) {
+      const cudaError_t e = opt_in<C, true>();
+      if (e != cudaSuccess) return e;
+      return launch_ex(topk_select_kernel<C, true>, dim3(C, rows), dim3(kThreads), smem, pdl, C, stream, a, SL);
+    }
+  }
+  const cudaError_t e = opt_in<C, false>();
+  if (e != cudaSuccess) return e;
+  return launch_ex(topk_select_kernel<C, false>, dim3(C, rows), dim3(kThreads), smem, pdl, C, stream, a, SL);
 }
 
 // clusters of 16 the current device holds at once, for rows of N entries (the shared memory of the band's widest
@@ -864,7 +1055,8 @@ int wide_clusters(int N) {
   const int band = slice_len(N, 16) <= kWideSL ? 1 : 0;
   if (!asked[band][dev]) {
     const int smem = band ? smem_total(16, 0, kWideSL, kTopkMaxK) : smem_bytes(slice_len(kTopkMaxN, 16), kTopkMaxK);
-    held[band][dev] = max_active_clusters(topk_select_kernel<16>, 16, kThreads, smem, kClusterSmemMax);
+    held[band][dev] = band ? max_active_clusters(topk_select_kernel<16, true>, 16, kThreads, smem, kClusterSmemMax)
+                           : max_active_clusters(topk_select_kernel<16, false>, 16, kThreads, smem, kClusterSmemMax);
     asked[band][dev] = true;
   }
   return held[band][dev];
