@@ -5,7 +5,8 @@ lower entry), -1 past the entries above -inf. Inputs full of ties (exact zeros, 
 shapes (k = 512 of 256, 4K, 32K and 256K entries: 1K, 16K, 128K and 1M context; 1, 4 and 128 query rows; V4-Pro's k =
 1024), each through every kernel that takes it (the clusters; one CTA a row for 16-bit rows of up to 32K entries);
 every cluster size and the lengths at its edges; the 16-bit histogram's widest slices (8192 keys a CTA); the one-CTA
-kernel's runs of equal keys above, at and below the k-th key and its full 16-bit bins; keys that differ only in the
+kernel's runs of equal keys above, at and below the k-th key and its full 16-bit bins; the clusters' ranks from the
+counts (kept keys in 1-3 coarse bins; 4 through the list), with runs of one key above the k-th key in a CTA; keys that differ only in the
 bits of the last radix pass (16- and 32-bit); ties at the k-th key spread over several CTAs of a cluster (some CTAs
 keep all of theirs, one only its lowest entries, the others none); all-equal rows; rows with fewer visible entries
 than k, none, or visible -inf scores; odd lengths and rows that are not 16-byte aligned (the one-element load path);
@@ -167,6 +168,54 @@ def test_one_cta_runs_of_equal_keys_and_full_bins():
         assert got[0, 0].tolist() == list(range(1024))
     assert ic.topk_cta_applies(y) and not ic.topk_cta_applies(torch.empty(1, 1, 32769, dtype=torch.bfloat16))
     assert not ic.topk_cta_applies(y.float())
+
+
+def _spread_row(N, k, span, seed, run_cta=None):
+    """One row of N scores whose k kept keys lie in exactly `span` coarse bins (the high bytes of the 16-bit keys: a
+    coarse bin is two exponents, [2, 8) is one): k - 40 distinct-ish scores log-uniform in [2, 2 * 4**span) with the
+    lowest and highest bins hit, then 120 scores tied at 2.0 (the k-th key, 40 of them kept: the cut spread over the
+    CTAs), the rest negative. run_cta: 100 copies of 5.0 in that CTA's slice (slices of 8192 entries), among its other
+    kept keys: a run of equal keys above the k-th key longer than a warp's chunk of 32."""
+    g = torch.Generator().manual_seed(seed)
+    x = -torch.rand(N, generator=g) - 0.001
+    perm = torch.randperm(N, generator=g)
+    top = (2.0 * torch.pow(4.0, span * torch.rand(k - 40, generator=g))).clamp(max=2.0 * 4.0 ** span * 0.99)
+    top[0], top[1] = 2.5, 2.0 * 4.0 ** span * 0.99  # bf16 keeps both inside the span
+    x[perm[:k - 40]] = top
+    x[perm[k - 40:k + 80]] = 2.0
+    if run_cta is not None:
+        x[run_cta * 8192 + torch.randperm(8192, generator=g)[:100]] = 5.0
+    return x
+
+
+def _span(x, k):
+    """The coarse bins (high bytes of the bf16 bits) from the k-th largest score's to the largest's."""
+    hi = torch.sort(x.to(torch.bfloat16).float(), descending=True).values[[k - 1, 0]].to(torch.bfloat16)
+    b = (hi.view(torch.int16).int() >> 8).tolist()
+    return b[1] - b[0] + 1
+
+
+@pytest.mark.parametrize("k", [512, 1024])
+def test_ranks_from_the_counts(k):
+    # the 16-bit histogram's path places the kept keys from the counts (no list) when they lie in at most 3 coarse
+    # bins (topk.cu, step 2'), else through the list: rows whose kept keys span 1, 2, 3 and 4 coarse bins, in clusters
+    # of 16 (128K entries: slices of 8192; 64K: 4096; an odd length), with ties at the k-th key cut across the CTAs,
+    # runs of one key above it inside a CTA (within a warp's chunk of 32 and across chunks) and short rows
+    for N in (131072, 65536, 100003):
+        rows = [_spread_row(N, k, span, seed=N + 10 * span + k) for span in (1, 2, 3, 4)]
+        rows.append(_spread_row(N, k, 2, seed=N + k + 1, run_cta=3))
+        rows.append(_spread_row(N, k, 1, seed=N + k + 2, run_cta=0))
+        assert [_span(r, k) for r in rows] == [1, 2, 3, 4, 2, 1]
+        x = torch.stack(rows)[None].to(torch.bfloat16).cuda()
+        for S in (1, 4):
+            got = check(x[:, :S].contiguous(), counts(S, N, N - 7), k)
+            assert (got >= 0).all()
+        check(x, counts(6, N, N - 7, 90000, 40000), k)
+    # the run of 5.0 in row 4 (CTA 3 of a 128K row) is kept whole and in entry order
+    x = _spread_row(131072, k, 2, seed=131072 + k + 1, run_cta=3)
+    got = check(x[None, None].to(torch.bfloat16).cuda(), counts(1, 131072), k)[0, 0].tolist()
+    fives = [e for e in got if x[e] == 5.0]
+    assert len(fives) >= 100 and fives == sorted(fives)
 
 
 def test_all_equal_zero_and_infinite_rows():
