@@ -8,14 +8,16 @@ every position. Residual streams hop devices between graphs without host syncs (
 device a graph reads the previous graph's output where it lies (no copy between them). With `use_graphs=False` the
 same step runs eagerly (the reference for the graphs).
 
-An HCA layer has two step schedules (Attention.begin's `defer`): at a position that closes its compressor window the
-compressors run ahead of the attention, which reads the entry they emit; at every other position (127 in 128) they run
-beside the attention and the rest of the layer. (A CSA layer keeps one: its indexer reads the compressors' fused
-projection at every step.) Such a layer gets two
-graphs, the deferring one (`graphs[i]`) and the emitting one (`graphs[(i, "emit")]`, which ends by copying its output
-streams into the deferring graph's, so that the next graph reads one tensor either way); each step replays the one its
-position calls for (`layer_graph`). The two give the same bits. (The first layer on a device builds the step plan in
-its graph, and two graphs would build two plans: it keeps one schedule, the emitting one.)
+A layer with compressors has two step schedules (Attention.begin's `defer` and `lag`): at a position that closes a
+compressor window the compressors run ahead of the attention, which reads the entry they emit, over the window's rows
+kept by the steps before; at every other position (CSA: 3 in 4, HCA: 127 in 128) the step only keeps its x (a CSA
+layer's indexer also projects its head weights). Such a layer gets two graphs, the deferring one (`graphs[i]`) and the
+emitting one (`graphs[(i, "emit")]`, which ends by copying its output streams into the deferring graph's, so that the
+next graph reads one tensor either way); each step replays the one its position calls for (`layer_graph`), and the
+runner keeps `BlockState.lagging` (the compressor state's open rows are not written between the two). (The first layer
+on a device builds the step plan in its graph, and two graphs would build two plans: it keeps one schedule, its
+compressors run at every step; a state that deferring steps left behind is brought up to date first,
+`Transformer.catch_up`, as before a prefill chunk.)
 """
 
 from __future__ import annotations
@@ -39,9 +41,8 @@ def hop(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 def defer_ratios(model: Transformer) -> list[int]:
     """Per layer: the compressor ratio of a layer whose compressors a decode step that closes none of their windows
-    defers (two schedules: an HCA layer), else 0 (one schedule: no compressor, a CSA layer, whose indexer reads the
-    compressors' fused projection every step, or the first layer on its device, which builds the step plan). See the
-    module's docstring."""
+    defers (two schedules: a CSA or HCA layer), else 0 (one schedule: no compressor, or the first layer on its device,
+    which builds the step plan). See the module's docstring."""
     devs = [layer.attn_norm.weight.device for layer in model.layers]
     return [layer.spec.ratio if layer.attn.can_defer and i > 0 and devs[i - 1] == d else 0
             for i, (layer, d) in enumerate(zip(model.layers, devs))]
@@ -73,6 +74,10 @@ class DecodeRunner:
         self.embed_dev = model.embed.weight.device
         self.head_dev = model.head.weight.device
         self.defer_ratio = defer_ratios(model) if defer else [0] * len(model.layers)
+        # one-schedule layers with compressors: brought up to date before a step where deferring steps (another
+        # runner's) left their state behind
+        self.every_step = [i for i, layer in enumerate(model.layers)
+                           if layer.attn.compressor is not None and not self.defer_ratio[i]]
         uniq = list(dict.fromkeys([self.embed_dev, *self.devices, self.head_dev]))
         pin = self.embed_dev.type == "cuda"
         # a small ring of pinned [token id, position] buffers: a slot is rewritten only after the
@@ -109,10 +114,11 @@ class DecodeRunner:
         return self.model.embed_step(self._ids(self.embed_dev))
 
     def _run_layer(self, i: int, defer: bool = False):
+        # a two-schedule layer's emitting step closes the window of the deferring steps before it (lag)
         dev = self.devices[i]
         pre = self.pre_out[i - 1] if i > 0 else None
         return self.model.layer_step(i, self.x_in[i], self._ids(dev), self._pos(dev), self.state.blocks[i], pre,
-                                     defer)
+                                     defer, self.defer_ratio[i] > 0 and not defer)
 
     def _run_emit(self, i: int):
         """Layer i's emitting schedule, its outputs copied into the deferring schedule's (bound by then)."""
@@ -218,6 +224,8 @@ class DecodeRunner:
         pos = self.state.pos if pos is None else pos
         if pos >= self.state.max_len:
             raise ValueError(f"position {pos} is past the state's max_len {self.state.max_len}")
+        if self.every_step:
+            self.model.catch_up(self.state, self.every_step)
         self._upload(token, pos)
         if self.use_graphs:
             self.graphs["embed"].replay()
@@ -230,6 +238,8 @@ class DecodeRunner:
                 self.layer_graph(i, pos).replay()
             else:
                 self._bind(i, self._run_layer(i, self.defers(i, pos)))
+            if self.defer_ratio[i]:
+                self.state.blocks[i].lagging = self.defers(i, pos)
             x = self.x_out[i]
         hop(self.x_head, x)
         if self.use_graphs:
@@ -386,6 +396,7 @@ class PrefillRunner:
             raise ValueError(f"positions {p0}..{p0 + S - 1} exceed the state's max_len {self.state.max_len}")
         if p0 + S > self.model.max_pos:
             raise ValueError(f"positions {p0}..{p0 + S - 1} exceed the model's RoPE table ({self.model.max_pos})")
+        self.model.catch_up(self.state)
         for buf in self.ids.values():
             hop(buf, ids)
         for t in self.start.values():

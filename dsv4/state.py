@@ -2,8 +2,8 @@
 
 Per block: the sliding-window KV ring (`sliding_window` slots, slot = p mod W), the compressed KV
 entries, the compressor's raw per-token partial windows (values and gate+ape scores, CSA also the
-previous complete window for the overlap), and for CSA the indexer's key cache and its compressor
-state. `ModelState.reset()` starts a new sequence: positions to 0, compressor scores to -inf.
+previous complete window for the overlap) and its input rows of the open window (`x_ring`), and for CSA the
+indexer's key cache and its compressor state. `ModelState.reset()` starts a new sequence: positions to 0, compressor scores to -inf.
 
 With `kv_packed` (reference numerics, bf16 activations: the FP8 simulation of the K = V rows is on) the window ring and
 the attention compressor's entries hold packed FP8 rows (dsv4/ops/kv_pack.py: 592 bytes a Flash row instead of
@@ -46,6 +46,13 @@ class CompressorState:
 
 
 class BlockState:
+    """One block's state. A block with compressors also keeps `x_ring` [B, ratio, D] (activation dtype): the
+    compressors' input x of the open window's positions, slot = p mod ratio, written by every step and chunk. A decode
+    step that closes no window may leave its compressors' work to the step that closes it (Attention.begin's `defer`):
+    that step projects the window's x rows at once. Until then the compressor states' open rows are stale and
+    `lagging` (a host flag the decode runner keeps) is set; `Attention.catch_up` brings them up to date before anything
+    else reads them (a prefill chunk, a step in the one-schedule mode)."""
+
     def __init__(self, cfg: ModelConfig, spec: LayerSpec, batch: int, max_len: int, dtype, device,
                  kv_packed: bool = False, keys_packed: bool = False):
         self.max_len = max_len
@@ -53,7 +60,10 @@ class BlockState:
         self.window = torch.zeros(batch, cfg.sliding_window, width, dtype=wdt, device=device)
         self.compressor = None
         self.indexer = None
+        self.x_ring = None
+        self.lagging = False
         if spec.ratio > 0:
+            self.x_ring = torch.zeros(batch, spec.ratio, cfg.hidden_size, dtype=dtype, device=device)
             self.compressor = CompressorState(batch, spec.ratio, cfg.head_dim, spec.overlap, max_len, dtype, device,
                                               "kv" if kv_packed else None)
         if spec.has_indexer:
@@ -62,6 +72,9 @@ class BlockState:
 
     def reset(self) -> None:
         self.window.zero_()
+        self.lagging = False
+        if self.x_ring is not None:
+            self.x_ring.zero_()
         for c in (self.compressor, self.indexer):
             if c is not None:
                 c.reset()

@@ -1,7 +1,9 @@
 """The static (CUDA-graph-safe) decode step and the per-layer CUDA-graph runner.
 
 CPU: the static decode step, run eagerly, equals the chunked reference path at every position,
-across compressor emission boundaries; the deferred compressors (two schedules) equal one schedule bit for bit. GPU: graph replay equals the eager static step bitwise for
+across compressor emission boundaries; the deferring schedule (compressors only at the steps that close a window,
+over its kept rows) equals one schedule up to fp32 summation order, also where a chunk or a one-schedule runner
+continues a state it left behind. GPU: graph replay equals the eager static step bitwise for
 2 x 128 + 5 steps with ratios 4 and 128 and with ratio 16, with the reference and with the fast ops;
 two GPUs when present. The compressors and the indexer run on a side stream (SideBranch) with the same bits as in line.
 Prefill: full chunks through the prefill graphs equal the eager chunks bitwise (streams and state).
@@ -45,7 +47,8 @@ def test_static_decode_step_equals_chunked_path():
 
 def _compressor_positions(runner, ids):
     """Eager steps of `runner` over ids -> (logits, per step: for each `compressor` op call, how many qkv_norm_rope
-    calls (one a layer, the last op of its query path) came before it in the step, sorted)."""
+    calls (one a layer, the last op of its query path) came before it in the step, sorted; per step: every block's
+    `lagging` flag after it)."""
     from dsv4 import ops
 
     seen: list[str] = []
@@ -54,7 +57,7 @@ def _compressor_positions(runner, ids):
         seen.append(op.name)
         return op.impl(*args, **kwargs)
 
-    out, where = [], []
+    out, where, lagging = [], [], []
     ops.set_hook(hook)
     try:
         for t in ids:
@@ -66,32 +69,34 @@ def _compressor_positions(runner, ids):
                 if name == "compressor":
                     w.append(n_attn)
             where.append(sorted(w))
+            lagging.append([b.lagging for b in runner.state.blocks])
     finally:
         ops.set_hook(None)
-    return torch.stack(out), where
+    return torch.stack(out), where, lagging
 
 
-def test_deferred_compressors_same_bits_and_schedule():
-    # a decode step that closes no window of an HCA layer's compressor queues its compressors after that layer's query
-    # path and index lists (on the GPU they run beside the attention and the rest of the layer), every other step ahead
-    # of them (the token that closes a window attends to its entry): the logits are the one-schedule runner's bit for
-    # bit across emission boundaries. Layer 0 (SWA here) builds the step plan and keeps one schedule; a compressor
-    # layer first on its device would too, and so does a CSA layer (its indexer reads the fused projection every step).
+def test_deferred_compressors_keep_x_until_the_window_closes():
+    # a decode step that closes no window of a layer's compressors (CSA or HCA) only keeps its x (a CSA layer's indexer
+    # projects its head weights alone): no compressor op runs in it, and the layer's state is marked lagging. The step
+    # that closes the window projects the window's kept rows and runs the compressors over them, ahead of the layer's
+    # query path (the attention reads the entry). The logits are the one-schedule runner's (compressors at every step)
+    # up to the projections' fp32 summation order, across emission boundaries. Layer 0 (SWA here) builds the step plan
+    # and keeps one schedule; a compressor layer first on its device would too.
     raw, model = _model([0, 4, 8, 16], seed=4)
     ids = _ids(raw, 37, seed=2)
     one = DecodeRunner(model, model.new_state(len(ids)), use_graphs=False, defer=False)
     two = DecodeRunner(model, model.new_state(len(ids)), use_graphs=False)
-    assert one.defer_ratio == [0, 0, 0, 0] and two.defer_ratio == [0, 0, 8, 16]
-    ref, ref_where = _compressor_positions(one, ids)
-    out, where = _compressor_positions(two, ids)
-    assert torch.equal(out, ref)
+    assert one.defer_ratio == [0, 0, 0, 0] and two.defer_ratio == [0, 4, 8, 16]
+    ref, ref_where, ref_lag = _compressor_positions(one, ids)
+    out, where, lagging = _compressor_positions(two, ids)
+    assert_close_rel(out, ref, "logits_incremental_fp32")
     for p, (w, rw) in enumerate(zip(where, ref_where)):
-        # layer k's compressor calls (CSA: two, HCA: one) follow k qkv_norm_rope calls ahead of its query path, k + 1
-        # deferred
-        after = [(p + 1) % r != 0 for r in (8, 16)]
-        assert rw == [1, 1, 2, 3], (p, rw)
-        assert w == sorted([1] * 2 + [2 + after[0], 3 + after[1]]), (p, w)
-    assert where[15] == [1, 1, 2, 3] and where[14] == [1, 1, 3, 4]  # every window closes / none does
+        # layer k's compressor calls (CSA: two, HCA: one) follow k qkv_norm_rope calls: ahead of its query path
+        closes = [(p + 1) % r == 0 for r in (4, 8, 16)]
+        assert rw == [1, 1, 2, 3] and ref_lag[p] == [False] * 4, (p, rw)
+        assert w == sorted([1, 1] * closes[0] + [2] * closes[1] + [3] * closes[2]), (p, w)
+        assert lagging[p] == [False] + [not c for c in closes], (p, lagging[p])
+    assert where[15] == [1, 1, 2, 3] and where[14] == []  # every window closes / none does
     # a compressor layer first on its device (it builds the plan) keeps one schedule: on one device, and across two
     # (the device rule only: layers placed on "meta" stand for a second GPU)
     from dsv4.graphs import defer_ratios
@@ -100,6 +105,31 @@ def test_deferred_compressors_same_bits_and_schedule():
     assert DecodeRunner(first, first.new_state(8), use_graphs=False).defer_ratio == [0, 16, 0]
     _, split = _model([0, 8, 16, 16], seed=4)
     assert defer_ratios(split.place(["cpu", "meta"])) == [0, 8, 0, 16]
+
+
+@pytest.mark.parametrize("then", ["chunk", "one_schedule"])
+def test_a_state_left_lagging_is_caught_up(then):
+    # deferring decode steps leave the compressors' open rows in x_ring only; what reads the state next catches it up
+    # (Transformer.catch_up): a prefill chunk (a conversation's next turn) or a one-schedule runner. Both continue as
+    # the chunked path over the whole sequence (1 + 2 x 8 + 1 steps: mid-window for ratios 4, 8 and 16)
+    raw, model = _model([0, 4, 8, 16], seed=5)
+    ids = _ids(raw, 40, seed=3)
+    ref = _chunked(model, ids)
+    st = model.new_state(len(ids))
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        head = model(x[:, :7], st)  # a chunk ending mid-window: its x rows kept, its state rows written
+        runner = DecodeRunner(model, st, use_graphs=False)
+        steps = [runner.step(t) for t in ids[7:18]]  # positions 7..17: every ratio's window left open
+        assert [b.lagging for b in st.blocks] == [False, True, True, True]
+        if then == "chunk":
+            rest = model(x[:, 18:], st)[0]
+        else:
+            other = DecodeRunner(model, st, use_graphs=False, defer=False)
+            rest = torch.stack([other.step(t) for t in ids[18:]])
+        assert [b.lagging for b in st.blocks] == [False] * 4
+    out = torch.cat([head[0], torch.stack(steps), rest])
+    assert_close_rel(out, ref, "logits_incremental_fp32")
 
 
 def test_next_layers_pre_made_by_the_ffn_op_same_bits():
@@ -245,9 +275,10 @@ def test_graph_decode_equals_eager_decode(ratios, kernels):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kernels", ["ref", "fast"], indirect=True)
-def test_graph_decode_defers_compressors_with_the_same_bits(kernels):
-    # two schedules per compressor layer (deferred and emitting graphs) against one (always ahead of the attention):
-    # the same bits at every position, each step replaying the graph its position calls for
+def test_graph_decode_defers_compressors(kernels):
+    # two schedules per compressor layer (deferring and emitting graphs) against one (the compressors at every step):
+    # the same logits up to the projections' fp32 summation order at every position, each step replaying the graph
+    # its position calls for
     raw, model = _model([0, 4, 8, 16], seed=4)
     model.place(["cuda:0"])
     T = 2 * 16 + 5
@@ -257,12 +288,12 @@ def test_graph_decode_defers_compressors_with_the_same_bits(kernels):
     assert set(one.graphs) == {"embed", "head", 0, 1, 2, 3}
     one = None
     two = DecodeRunner(model, model.new_state(T), use_graphs=True)
-    assert set(two.graphs) == {"embed", "head", 0, 1, 2, 3, (2, "emit"), (3, "emit")}  # the HCA layers
+    assert set(two.graphs) == {"embed", "head", 0, 1, 2, 3, (1, "emit"), (2, "emit"), (3, "emit")}
     for i in range(1, 4):  # the next graph reads one tensor whichever schedule ran
         assert two.x_in[i] is two.x_out[i - 1]
     assert [two.layer_graph(2, p) is two.graphs[(2, "emit")] for p in range(16)] == ([False] * 7 + [True]) * 2
     out = torch.stack([two.step(t).clone() for t in ids])
-    assert torch.equal(out, ref), f"deferred schedules differ at {(out != ref).any(-1).nonzero()[:5].tolist()}"
+    assert_close_rel(out, ref, "logits_incremental_fp32")
 
 
 @pytest.mark.gpu
@@ -446,11 +477,12 @@ def test_compressors_and_indexer_run_on_a_side_stream_with_the_same_bits(kernels
     ids = _ids(raw, 40, seed=5)
     calls = _op_streams(model, ids)
     side = {name for name, on_main in calls if not on_main}
-    # the step plan (first layer), compress_proj, the compressors (CSA's two, HCA's one), the indexer (its queries'
-    # RoPE, scores, top-k)
+    # the step plan (first layer), compress_proj, the compressors (the CSA layer's two: it is first on its device, so
+    # its compressors run every step; the HCA layer's step at position 40 closes no window and only keeps x), the
+    # indexer (its queries' RoPE, scores, top-k)
     assert side == {"step_plan", "linear", "compressor", "rope", "indexer_scores", "topk_select"}, calls
     assert [m for name, m in calls if name == "step_plan"] == [False]  # once per step, beside the first layer
-    assert sum(name == "compressor" and not m for name, m in calls) == 3
+    assert sum(name == "compressor" and not m for name, m in calls) == 2
     assert all(not m for name, m in calls if name in ("indexer_scores", "topk_select"))
     assert all(m for name, m in calls if name in ("sparse_attn", "qkv_norm_rope", "mhc_pre_norm"))
     # every branch is on a second stream, the plan's joined in the first layer's attention

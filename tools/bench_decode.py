@@ -10,7 +10,7 @@ Needs a CUDA GPU.
 
 With a context that is a multiple of 128, the step at ctx-1 closes every compressor's window (each emits an
 entry: its costliest step, run in the emitting schedule). The graph rows therefore also time each layer at ctx-2
-("open": every window stays open, HCA's compressors deferred beside the attention unless --no-defer) and project 43
+("open": every window stays open, the compressors only keep their input unless --no-defer) and project 43
 layers over a 128-token cycle, "(cycle)": a layer of compression ratio r emits at one step in r.
 
 --prefill N also times the chunked prefill of an N-token prompt that ends at each context (chunks of up to
@@ -30,7 +30,7 @@ computes that input and nothing reads it).
 --layer-us N times each layer's decode graph to 0.1 us (the median of 7 runs of N back-to-back replays: the yardstick
 for one kernel change, where the 0.01 ms rows do not resolve it); --timeline prints, per layer kind, every kernel of
 the layer's graph as its replays run them (start and end), which shows what overlaps what (at ctx-1, and at ctx-2
-for the layer kinds whose step there replays their other schedule, the compressors deferred); --launches prints
+for the layer kinds whose step there replays their other schedule, the compressors deferred to the closing step); --launches prints
 each of those kernels' launch (CTAs, threads, registers, shared memory) with the CTAs an SM holds, and marks a kernel
 of one wave whose CTAs can crowd onto fewer SMs than an even spread needs ("pile": launched programmatically into a
 busy device, its CTAs land on the SMs that free up first).
@@ -91,7 +91,8 @@ def fill_state(state, pos: int, seed: int) -> None:
 
     g = torch.Generator(device="cpu").manual_seed(seed)
     for st in state.blocks:
-        tensors = [(st.window, None)]
+        tensors = [(st.window, None)] + ([(st.x_ring, None)] if st.x_ring is not None else [])
+        st.lagging = False  # (the kept rows and the open rows are both random: nothing to catch up)
         for c in (st.compressor, st.indexer):
             if c is not None:
                 tensors += [(c.entries, c.dim if c is st.indexer else None), (c.kv, None), (c.score, None)]
@@ -581,9 +582,9 @@ def main(argv=None) -> int:
                         "'pile' where a kernel of one wave (and at least half as many CTAs as SMs) can crowd onto fewer SMs "
                         "than an even spread needs")
     p.add_argument("--no-defer", action="store_true",
-                   help="one decode schedule per layer: the compressors always run ahead of the attention (by default "
-                        "a step that closes none of an HCA layer's compressor windows runs them beside it: "
-                        "dsv4/graphs.py)")
+                   help="one decode schedule per layer: the compressors run at every step (by default a step that "
+                        "closes none of a CSA or HCA layer's compressor windows only keeps its input, and the closing "
+                        "step runs them over the window's kept rows: dsv4/graphs.py)")
     p.add_argument("--json", metavar="F", help="write the results as JSON to F (default: none)")
     args = p.parse_args(argv)
 

@@ -109,7 +109,7 @@ def check(model, max_len: int, steps: int = 8) -> list[Violation]:
     pieces = [("embed", eager.embed_dev, eager._run_embed)]
     for i, (layer, dev) in enumerate(zip(model.layers, eager.devices)):
         names[i] = f"layers.{i} ({layer.spec.attn}, ratio {layer.spec.ratio})"
-        pieces.append((i, dev, lambda i=i: eager._run_layer(i)))
+        pieces.append((i, dev, lambda i=i: eager._run_layer(i)))  # (a two-schedule layer: its closing step)
         if eager.defer_ratio[i]:  # its second schedule: the compressors deferred (dsv4/graphs.py)
             names[(i, "defer")] = f"layers.{i} ({layer.spec.attn}, ratio {layer.spec.ratio}, compressors deferred)"
             pieces.append(((i, "defer"), dev, lambda i=i: eager._run_layer(i, True)))

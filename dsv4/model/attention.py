@@ -6,12 +6,16 @@ to `ops.sparse_attn` as index lists in DeepSeek's order (StepPlan). K = V, so th
 are rotated back by -t (inside ops.sparse_attn) before the grouped low-rank projection (wo_a in the activation dtype without
 activation quantization, then wo_b). One forward serves prefill chunks and the captured decode step.
 The compressors (and their fused projection of x) run in a `SideBranch` beside the query / kv path, and
-in CSA layers the indexer after them (once its queries exist); both join before the attention. A decode step of an HCA
-layer that closes no compressor window (127 steps in 128) may defer its compressors (`defer`): the attention
-reads none of what they write then (SPEC §2.4: only the token that closes a window attends to its entry), so they run
-beside the attention and the output projections instead of ahead of them, and join at the end of the layer
-(`AttnStart.join_deferred`). The graph runner captures both schedules for such layers and replays the one the
-position calls for (dsv4/graphs.py); the results are the same bits either way.
+in CSA layers the indexer after them (once its queries exist); both join before the attention. Every step and chunk
+keeps the compressors' input rows of the open window (`BlockState.x_ring`). A decode step of a layer with compressors
+that closes no window (CSA: 3 steps in 4, HCA: 127 in 128) may defer their work (`defer`): the attention reads none
+of what they write then (SPEC §2.4: only the token that closes a window attends to its entry), so such a step only
+keeps its x (and a CSA layer's indexer projects its head weights alone, which it reads every step), and the step that
+closes the window (`lag`) projects the window's rows at once and runs the compressors over them as a chunk from the
+window's start (the same ops; the projection's fp32 sums in another order). An HCA layer keeps its x beside the
+attention and the rest of the layer (`AttnStart.join_deferred`). The graph runner captures both schedules for such
+layers and replays the one the position calls for (dsv4/graphs.py); `catch_up` brings a state that such steps left
+behind up to date before a chunk or a one-schedule step reads it.
 """
 
 from __future__ import annotations
@@ -94,10 +98,9 @@ class Attention(nn.Module):
 
     @property
     def can_defer(self) -> bool:
-        """An HCA layer (compressors, no indexer): its decode steps may defer the compressors. A CSA layer's indexer
-        reads the fused projection's head weights every step, so its compressors stay ahead (deferring them with those
-        weights in a GEMV of their own measured slower: docs/performance.md, 43rd pass)."""
-        return self.compressor is not None and self.indexer is None
+        """A layer with compressors: its decode steps that close no window may defer their work (see the module's
+        docstring; a CSA layer's indexer then projects its head weights in a GEMV of their own)."""
+        return self.compressor is not None
 
     def defers(self, x: torch.Tensor, join: bool = False) -> bool:
         """Whether `defer` applies to this call: `can_defer`, one token (a decode step), no join."""
@@ -107,21 +110,26 @@ class Attention(nn.Module):
     # shapes at every full prefill chunk and are captured; `attend` reads index lists whose width follows the chunk's
     # end and runs eagerly between them. forward() runs the three in a row: the same kernels in the same order.
     def begin(self, x: torch.Tensor, plan: StepPlan, st: BlockState, rope: Rope, join: bool = False,
-              defer: bool = False) -> "AttnStart":
+              defer: bool = False, lag: bool = False) -> "AttnStart":
         """The projections: the compressors (and their fused projection of x) on a side branch, wq_a || wkv, the
         query's norm + wq_b (|| the indexer's wq_b). join: the side branch is joined here (a captured piece must end
-        with it), not before the attention. defer: a decode step that closes no compressor window leaves the
-        compressors to attend() (see the module's docstring; ignored where `defers` does not hold)."""
+        with it), not before the attention. defer: a decode step that closes no compressor window defers the
+        compressors' work (it keeps x; see the module's docstring; ignored where `defers` does not hold). lag: a decode
+        step that closes a window after such steps (the deferring runner's other schedule): the compressors run over
+        the window's kept rows."""
         cos, sin = plan.rope(rope)
-        defer = defer and self.defers(x, join)
+        one = self.defers(x, join)
+        defer = defer and one
+        mode = "keep" if defer else "close" if lag and one else "step"
         comp_branch = proj = None
-        if self.compressor is not None and not defer:
+        late = defer and self.indexer is None  # an HCA layer keeps x beside the attention (attend)
+        if self.compressor is not None and not late:
             # (on the side stream, its work follows a plan still being built)
             # the compressors read x and their own state only: a side branch beside the query / kv path, joined
             # before the indexer's scores and the attention read its entries
             comp_branch = SideBranch(x.device)
             with comp_branch:
-                proj = self._compress(x, plan, st, rope)
+                proj = self._compress(x, plan, st, rope, mode)
         q_a, kv = self.qkv_a(x)
         # the query's low-rank norm and wq_b (|| the indexer's wq_b) as one op: a decode step norms inside the GEMV;
         # a prefill chunk's norm hands the GEMM its FP8 codes
@@ -143,19 +151,58 @@ class Attention(nn.Module):
             if join:
                 comp_branch.join()
                 comp_branch = None
-        return AttnStart(x.shape[0], x.shape[1], rope, cos, sin, q, q_idx, kv, proj, comp_branch, x, idx_fork, defer)
+        return AttnStart(x.shape[0], x.shape[1], rope, cos, sin, q, q_idx, kv, proj, comp_branch, x, idx_fork, late)
 
-    def _compress(self, x: torch.Tensor, plan: StepPlan, st: BlockState, rope: Rope) -> tuple:
+    def _compress(self, x: torch.Tensor, plan: StepPlan, st: BlockState, rope: Rope, mode: str = "step") -> tuple:
         """The compressors on x (on the caller's stream) -> the fused projections (kept referenced by the caller until
-        its branch is joined)."""
-        # fp32 projections of the input (SPEC §5.16: fp32 weights and input), all of the layer's in one GEMM on x
-        # as it is: its values are exact in its dtype (bf16 activations: bf16 products, exact in the fp32
-        # accumulation), so no fp32 copy is made
+        its branch is joined; a CSA layer's head weights are the 5th). mode "step": project x and run the compressors
+        at plan.pos; "keep" (a decode step that defers them): only keep x (CSA: and project the head weights);
+        "close" (the decode step that closes the window after "keep" steps): project the window's kept rows and run
+        the compressors over them from the window's start."""
+        # fp32 projections of the input (SPEC §5.16: fp32 weights and input), all of the layer's in one GEMM on x (or
+        # on the window's kept rows) as it is: its values are exact in its dtype (bf16 activations: bf16 products,
+        # exact in the fp32 accumulation), so no fp32 copy is made
+        self._keep(x, plan, st)
+        if mode == "keep":  # (the graph runner keeps st.lagging at every replay; this marks an eager call's too)
+            st.lagging = True
+            return (None,) * 4 + (self.indexer.weights_proj(x, torch.float32),) if self.indexer is not None else None
+        if mode == "close":
+            # the window's r rows (this step's last), from its start: pos - (r - 1) at a closing step, written so that
+            # the capture's warm-up at position 0 stays in range
+            r = self.spec.ratio
+            proj = self.compress_proj(st.x_ring, torch.float32)
+            self._run_compressors(proj, st, rope, plan.window_start(r), window=True)
+            st.lagging = False
+            return proj if self.indexer is None else proj[:4] + (proj[4][:, r - 1:],)
         proj = self.compress_proj(x, torch.float32)
-        self.compressor(proj[0], proj[1], plan, st.compressor, rope)
-        if self.indexer is not None:
-            self.indexer.compressor(proj[2], proj[3], plan, st.indexer, rope)
+        self._run_compressors(proj, st, rope, plan.start)
         return proj
+
+    def _run_compressors(self, proj: tuple, st: BlockState, rope: Rope, start: torch.Tensor,
+                         window: bool = False) -> None:
+        self.compressor(proj[0], proj[1], None, st.compressor, rope, start, window)
+        if self.indexer is not None:
+            self.indexer.compressor(proj[2], proj[3], None, st.indexer, rope, start, window)
+
+    def _keep(self, x: torch.Tensor, plan: StepPlan, st: BlockState) -> None:
+        """x's rows of the open window into st.x_ring at slot p mod ratio: its last min(S, ratio) rows (a chunk's end is
+        not known on the host in a captured piece; rows of a window that closed are rewritten before a step reads
+        their slots)."""
+        r, S = self.spec.ratio, x.shape[1]
+        m = min(S, r)
+        st.x_ring.index_copy_(1, plan.window_slots(r)[S - m:], x[:, S - m:])
+
+    def catch_up(self, st: BlockState, pos: int, rope: Rope) -> None:
+        """Where decode steps deferred the compressors (st.lagging), run them over the open window's kept rows (the
+        positions before pos), so that their state holds those rows again; clears st.lagging."""
+        if not st.lagging:
+            return
+        k = pos % self.spec.ratio
+        if k:
+            x = st.x_ring[:, :k]
+            start = torch.full((1,), pos - k, dtype=torch.int64, device=x.device)
+            self._run_compressors(self.compress_proj(x, torch.float32), st, rope, start)
+        st.lagging = False
 
     def attend(self, a: "AttnStart", plan: StepPlan, st: BlockState) -> torch.Tensor:
         """The index lists, the indexer (CSA), the queries' and kv's norm + RoPE, the sparse attention and (prefill)
@@ -195,16 +242,15 @@ class Attention(nn.Module):
         if last is not None:
             last.join()
         if a.defer:
-            # the deferred compressors: forked here (after the lists and the query path are queued), beside the
-            # attention and the output projections; joined at the end of the layer (join_deferred). In line (CPU,
-            # set_overlap(False)) they run at that join, after all they run beside on a GPU: a step that needed them
-            # first (an emitting one, wrongly deferred) then shows in its bits
+            # an HCA step that defers its compressors keeps x here (after the lists and the query path are queued),
+            # beside the attention and the output projections; joined at the end of the layer (join_deferred). In line
+            # (CPU, set_overlap(False)) it runs at that join
             a.deferred = SideBranch(a.x.device)
             if a.deferred.side is not None:
                 with a.deferred:
-                    a.proj = self._compress(a.x, plan, st, a.rope)
+                    a.proj = self._compress(a.x, plan, st, a.rope, "keep")
             else:
-                a.run_deferred = lambda: self._compress(a.x, plan, st, a.rope)
+                a.run_deferred = lambda: self._compress(a.x, plan, st, a.rope, "keep")
         # the output's RoPE dims rotated back to the query's position (V = K carries RoPE) in the same op
         o = ops.sparse_attn(q, kv_win, idx_win, kv_comp, idx_comp, self.attn_sink, self.head_dim ** -0.5, cos, sin)
         if not plan.ring_first:
@@ -229,22 +275,25 @@ class AttnStart:
     q: torch.Tensor  # [B,S,H*hd] before its norm
     q_idx: torch.Tensor | None  # the indexer's queries (CSA)
     kv: torch.Tensor  # [B,S,hd] before its norm
-    proj: tuple | None  # the compressors' projections (|| the indexer's head weights)
+    # the compressors' projections (|| the indexer's head weights); a step that only keeps x: (None x 4, the head
+    # weights) in a CSA layer, None in an HCA layer; a closing step after such steps: the window's rows, the head
+    # weights this token's
+    proj: tuple | None
     comp_branch: SideBranch | None  # the compressors' side branch, not joined yet
-    # the input, referenced until attend() returns (deferred compressors: until join_deferred): while a side branch is
+    # the input, referenced until attend() returns (an HCA step's kept x: until join_deferred): while a side branch is
     # not joined, its GEMM still reads x on the side stream, and a freed x could be handed to the main stream's next
     # allocation
     x: torch.Tensor
     # a decode step of a CSA layer: the indexer chain's branch, forked after the indexer's queries (its work is queued
     # by attend(); between the fork and that work the main stream reads no side-stream tensor)
     idx_fork: SideBranch | None = None
-    defer: bool = False  # the compressors deferred to attend() (Attention.begin)
-    deferred: SideBranch | None = None  # their branch, forked by attend(), joined by join_deferred()
-    run_deferred: object = None  # in line: the deferred compressors, run by join_deferred()
+    defer: bool = False  # an HCA step's x kept by attend() (Attention.begin)
+    deferred: SideBranch | None = None  # the branch that keeps x, forked by attend(), joined by join_deferred()
+    run_deferred: object = None  # in line: that, run by join_deferred()
 
     def join_deferred(self) -> None:
-        """Join the deferred compressors' branch (the end of the layer's step; in line, run them now); x and their
-        projections stay referenced until then (see SideBranch)."""
+        """Join the branch that keeps an HCA step's x (the end of the layer's step; in line, run it now); x stays
+        referenced until then (see SideBranch)."""
         if self.run_deferred is not None:
             self.proj = self.run_deferred()
             self.run_deferred = None

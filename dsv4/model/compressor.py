@@ -30,10 +30,13 @@ class Compressor(nn.Module):
         self.register_buffer("ape", torch.zeros(ratio, coff * dim, dtype=torch.float32))
         self.norm = RMSNorm(dim, eps)
 
-    def forward(self, c: torch.Tensor, g: torch.Tensor, plan: StepPlan, st: CompressorState, rope: Rope) -> None:
+    def forward(self, c: torch.Tensor, g: torch.Tensor, plan: StepPlan | None, st: CompressorState, rope: Rope,
+                start: torch.Tensor | None = None, window: bool = False) -> None:
         # c = wkv(x), g = wgate(x): [B,S,coff*d] fp32 projections of the attn_norm output (SPEC §5.16; the
-        # attention runs them fused) at plan.pos: emits the entries of the windows that close into st.entries
-        # and keeps the open window (and CSA's previous one) in st.kv / st.score
+        # attention runs them fused) at plan.pos (or from `start`, a [1] int64 device position): emits the entries of
+        # the windows that close into st.entries and keeps the open window (and CSA's previous one) in st.kv / st.score;
+        # window: c / g are one whole window's rows from its start (ops.compressor)
         quant = ("fp4" if self.rotate else "fp8") if self.numerics.reference else None
         ops.compressor(c, g, self.ape, self.norm.weight, self.norm.eps, rope.cos, rope.sin, st.kv, st.score,
-                       st.entries, plan.start, self.ratio, self.overlap, quant)
+                       st.entries, plan.start if start is None else start, self.ratio, self.overlap, quant,
+                       window=window)

@@ -224,6 +224,7 @@ class StepPlan:
     end: int | None
     ropes: dict = field(default_factory=dict)  # kind -> (cos, sin) [S, rd/2]
     visible: dict = field(default_factory=dict)  # ratio -> n_vis [S]; (ratio, n) -> the HCA index list
+    windows: dict = field(default_factory=dict)  # a decode step's: ratio -> (p mod ratio [1], its window's start [1])
     pending: SideBranch | None = None  # the side branch still making this plan's tensors (see ready())
 
     @staticmethod
@@ -248,7 +249,8 @@ class StepPlan:
                                                            list(ratios), list(prefix))
         plan = StepPlan(start, start[:1], 1, window, window, win_idx, ring, None)
         plan.ropes.update({id(t): r for t, r in zip(tables, ropes)})
-        plan.visible.update(zip(ratios, n_vis))
+        plan.visible.update((r, v[0:1]) for r, v in zip(ratios, n_vis))
+        plan.windows.update((r, (v[1:2], v[2:3])) for r, v in zip(ratios, n_vis))
         plan.visible.update(zip(prefix, lists))
         return plan
 
@@ -275,6 +277,19 @@ class StepPlan:
         if ratio not in self.visible:
             self.visible[ratio] = (self.pos + 1) // ratio
         return self.visible[ratio]
+
+    def window_slots(self, ratio: int) -> torch.Tensor:
+        """[S] int64: each token's slot in its compressor window, p mod ratio (a decode step's from the plan's one
+        launch; otherwise made at each call, never cached: a layer with two captured schedules must not read a tensor
+        that only one of them makes)."""
+        w = self.windows.get(ratio)
+        return w[0] if w is not None else self.pos % ratio
+
+    def window_start(self, ratio: int) -> torch.Tensor:
+        """[1] int64: the first position of the first token's compressor window, start - start mod ratio (as
+        window_slots)."""
+        w = self.windows.get(ratio)
+        return w[1] if w is not None else self.start - self.start % ratio
 
     def prefix_idx(self, ratio: int, n: int) -> torch.Tensor:
         """[S, n] int32: an HCA query's compressed index list, its visible entries ascending, then -1."""

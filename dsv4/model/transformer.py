@@ -74,26 +74,26 @@ class Block(nn.Module):
                 c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps, norm.weight, norm.eps)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, plan: StepPlan, st: BlockState, rope: Rope,
-                pre: tuple | None = None, nxt: "Block | None" = None, defer: bool = False):
+                pre: tuple | None = None, nxt: "Block | None" = None, defer: bool = False, lag: bool = False):
         # x: [B,S,hc,D] residual streams at plan.pos -> [B,S,hc,D]; the same code for a prefill chunk
         # and the captured S = 1 decode step. Each sublayer's input is mhc_pre then its RMSNorm; the attention's
         # mhc_post and the FFN's pre run as one boundary op, the FFN's post inside its experts' op. Given nxt (the next
         # block), the FFN's op also makes nxt's attention input (ops.moe_post_pre) -> (streams, nxt's pre), which
         # nxt then takes as `pre` instead of running its own mhc_pre_norm (the decode step: one launch fewer).
-        # defer: a decode step that closes no compressor window runs the compressors beside the attention and the rest
-        # of the layer, joined at its end (Attention.begin)
-        carry, a = self.begin(x, plan, st, rope, pre=pre, defer=defer)
+        # defer: a decode step that closes no compressor window defers the compressors' work; lag: the step that
+        # closes it after such steps (Attention.begin)
+        carry, a = self.begin(x, plan, st, rope, pre=pre, defer=defer, lag=lag)
         out = self.finish(self.attn.attend(a, plan, st), carry, ids, nxt)
         a.join_deferred()
         return out
 
     # forward in the attention's three phases (begin, attn.attend, finish: see Attention.begin)
     def begin(self, x: torch.Tensor, plan: StepPlan, st: BlockState, rope: Rope, join: bool = False,
-              pre: tuple | None = None, defer: bool = False) -> tuple:
+              pre: tuple | None = None, defer: bool = False, lag: bool = False) -> tuple:
         """The attention's mhc_pre + RMSNorm (or `pre`, its (y, post, comb) made by the block before) and its
         projections -> (carry for finish, AttnStart)."""
         y, post, comb = ops.mhc_pre_norm(x, *self.pre_args()) if pre is None else pre
-        return (x, post, comb), self.attn.begin(y, plan, st, rope, join, defer)
+        return (x, post, comb), self.attn.begin(y, plan, st, rope, join, defer, lag)
 
     def pre_args(self) -> tuple:
         """The attention's mhc_pre_norm parameters after its input streams."""
@@ -273,7 +273,7 @@ class Transformer(nn.Module):
         return nxt if nxt.attn_norm.weight.device == self.layers[i].attn_norm.weight.device else None
 
     def layer_step(self, i: int, x: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, st: BlockState,
-                   pre: tuple | None = None, defer: bool = False):
+                   pre: tuple | None = None, defer: bool = False, lag: bool = False):
         """Layer i on one token at the device position pos ([1] int64): x [B,1,hc,D] -> [B,1,hc,D], or, where
         next_block(i) is a block, (x, that block's attention input (y, post, comb)), which its step takes as `pre`.
 
@@ -282,8 +282,9 @@ class Transformer(nn.Module):
         the first layer on a device builds it (in its captured graph), the later layers on that device read
         it. So the layers of a device run in order within a step (as the graph runner and the eager loop do);
         a layer run on its own with no plan for its pos buffer builds its own. defer: the step closes none of the
-        layer's compressor windows, and its compressors may run beside the attention (Attention.begin; the caller
-        knows the position: the graph runner replays the schedule it calls for)."""
+        layer's compressor windows, and its compressors' work may wait for the step that closes it; lag: this step
+        closes one after such steps (Attention.begin; the caller knows the position: the graph runner replays the
+        schedule it calls for, and keeps st.lagging)."""
         layer = self.layers[i]
         dev = x.device
         first = i == 0 or self.layers[i - 1].attn_norm.weight.device != dev
@@ -304,7 +305,19 @@ class Transformer(nn.Module):
                 plan.pending = branch
                 self._step_plans[dev] = (pos.data_ptr(), plan)
             plan = self._step_plans[dev][1]
-            return layer(x, ids, plan, st, self.rope(layer.spec.rope, dev), pre, self.next_block(i), defer)
+            return layer(x, ids, plan, st, self.rope(layer.spec.rope, dev), pre, self.next_block(i), defer, lag)
+
+    def catch_up(self, state: ModelState, layers=None) -> None:
+        """Brings the compressor states that deferring decode steps left behind (BlockState.lagging) up to date at
+        state.pos (Attention.catch_up), for the listed layers (default all): before a chunk or a one-schedule step
+        reads them. Eager, on each layer's device."""
+        for i in range(len(self.layers)) if layers is None else layers:
+            st = state.blocks[i]
+            if st.lagging:
+                layer = self.layers[i]
+                dev = layer.attn_norm.weight.device
+                with on_device(dev):
+                    layer.attn.catch_up(st, state.pos, self.rope(layer.spec.rope, dev))
 
     def head_step(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B,1,hc,D] -> logits [B,1,vocab] fp32."""
@@ -322,6 +335,7 @@ class Transformer(nn.Module):
             raise ValueError(f"positions {p0}..{p0 + S - 1} exceed the state's max_len {state.max_len}")
         if p0 + S > self.max_pos:
             raise ValueError(f"positions {p0}..{p0 + S - 1} exceed the model's RoPE table ({self.max_pos})")
+        self.catch_up(state)
         x = self.embed_streams(ids)
         plans: dict = {}
         pre = None  # this layer's attention input, where the layer before made it (next_block)

@@ -51,14 +51,18 @@ def finish_entries(e: torch.Tensor, norm_w: torch.Tensor, eps: float, cos: torch
 def compressor_ref(c: torch.Tensor, g: torch.Tensor, ape: torch.Tensor, norm_w: torch.Tensor, eps: float,
                    cos_tab: torch.Tensor, sin_tab: torch.Tensor, kv_state: torch.Tensor, score_state: torch.Tensor,
                    entries: torch.Tensor, start: torch.Tensor, ratio: int, overlap: bool,
-                   quant: str | None) -> None:
-    """c, g [B,S,coff*d] fp32 at positions start + [0, S) (start: [1] int64 on the device);
+                   quant: str | None, window: bool = False) -> None:
+    """c, g [B,S,coff*d] fp32 at positions start + [0, S) (start: [1] int64 on the device); window: the caller's
+    promise that the chunk is one whole window from its start (S = ratio, start a multiple of it; the same result,
+    which the fast path computes in the decode step's one launch);
     ape [r, coff*d]; cos_tab/sin_tab [max_pos, rd/2] RoPE tables; kv_state/score_state
     [B, coff*r, coff*d] fp32 and entries [B, n_max + 1, d] (or packed: [B, n_max + 1, kv_row_bytes(d)] uint8 for
     "fp8", [B, n_max + 1, key_row_bytes(d)] for "fp4")
     updated in place."""
     B, S, C = c.shape
     r = ratio
+    if window and S != r:
+        raise ValueError(f"compressor: window=True needs one window's {r} rows, got {S}")
     d = C // 2 if overlap else C
     dev = c.device
     pos = start + torch.arange(S, device=dev)

@@ -65,17 +65,22 @@ def _pool_rows(v, gt, pv, pg, OVERLAP: tl.constexpr):
 
 
 @triton.jit
-def _pool_kernel(c_ptr, g_ptr, ape_ptr, kv_ptr, sc_ptr, e_ptr, start_ptr, C, d, cnt_ptr,
+def _pool_kernel(c_ptr, g_ptr, ape_ptr, kv_ptr, sc_ptr, e_ptr, start_ptr, C, d, scb, scs, sgb, sgs, cnt_ptr,
                  w_ptr, cos_ptr, sin_ptr, ent_ptr, ent16_ptr, n_rows, eps, n_pos,
                  R: tl.constexpr, OVERLAP: tl.constexpr, RP: tl.constexpr, BLOCK: tl.constexpr,
                  RD2: tl.constexpr, NOPE: tl.constexpr, NB_P: tl.constexpr, QUANT: tl.constexpr,
-                 ROW: tl.constexpr, LOG2D: tl.constexpr, HSCALE: tl.constexpr, PACK: tl.constexpr, RB: tl.constexpr):
+                 ROW: tl.constexpr, LOG2D: tl.constexpr, HSCALE: tl.constexpr, PACK: tl.constexpr, RB: tl.constexpr,
+                 WIN: tl.constexpr):
     # Every load is issued at the start and every result is stored from registers: the step runs beside the layer's
-    # large GEMVs, whose streams make each dependent round trip to memory slow
+    # large GEMVs, whose streams make each dependent round trip to memory slow. WIN: c / g hold a whole window's R rows
+    # ([B, R, C]) from its start (start_ptr), so the window closes at its last row and no open row comes from the state
     b = tl.program_id(0)
     ch = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     cm = ch < d
-    pos = tl.load(start_ptr)
+    if WIN:
+        pos = tl.load(start_ptr) + (R - 1)
+    else:
+        pos = tl.load(start_ptr)
     k0 = (pos % R).to(tl.int32)
     rows = tl.arange(0, RP)  # open-window rows 0..R-1 (padded to RP)
     rm = rows < R
@@ -87,24 +92,38 @@ def _pool_kernel(c_ptr, g_ptr, ape_ptr, kv_ptr, sc_ptr, e_ptr, start_ptr, C, d, 
     # the window's half (B for CSA): the open rows before the token, the token's projection (+ ape) at its slot
     col = ch + HB * d
     st_off = (OFF + rows[:, None]) * C + col[None, :]
-    old_v = tl.load(base + st_off, mask=m2, other=0.0)
-    old_g = tl.load(sbase + st_off, mask=m2, other=float("-inf"))
-    new_v = tl.load(c_ptr + b * C + col, mask=cm, other=0.0)
-    new_g = tl.load(g_ptr + b * C + col, mask=cm, other=0.0) + tl.load(ape_ptr + k0 * C + col, mask=cm, other=0.0)
-    if OVERLAP:  # CSA: the open rows' A halves (state only) and the previous window's A halves (in the softmax)
+    if OVERLAP:
         a_off = (OFF + rows[:, None]) * C + ch[None, :]
-        old_va = tl.load(base + a_off, mask=m2, other=0.0)
-        old_ga = tl.load(sbase + a_off, mask=m2, other=float("-inf"))
-        new_va = tl.load(c_ptr + b * C + ch, mask=cm, other=0.0)
-        new_ga = tl.load(g_ptr + b * C + ch, mask=cm, other=0.0) + tl.load(ape_ptr + k0 * C + ch, mask=cm,
-                                                                         other=0.0)
         p_off = rows[:, None] * C + ch[None, :]
-        pv = tl.load(base + p_off, mask=m2, other=0.0)
+        pv = tl.load(base + p_off, mask=m2, other=0.0)  # the previous window's A halves (in the softmax)
         pg = tl.load(sbase + p_off, mask=m2, other=float("-inf"))
-    is_new = (rows == k0)[:, None]
-    before = (rows < k0)[:, None]
-    v = tl.where(is_new, new_v[None, :], tl.where(before, old_v, 0.0))
-    gs = tl.where(is_new, new_g[None, :], tl.where(before, old_g, float("-inf")))  # the state's (unmasked)
+    if WIN:  # the window's rows (+ ape), as given
+        cw = c_ptr + b * scb + rows[:, None] * scs
+        gw = g_ptr + b * sgb + rows[:, None] * sgs
+        ap = ape_ptr + rows[:, None] * C
+        v = tl.load(cw + col[None, :], mask=m2, other=0.0)
+        gs = tl.load(gw + col[None, :], mask=m2, other=0.0) + tl.load(ap + col[None, :], mask=m2, other=0.0)
+        if OVERLAP:
+            va = tl.load(cw + ch[None, :], mask=m2, other=0.0)
+            ga = tl.load(gw + ch[None, :], mask=m2, other=0.0) + tl.load(ap + ch[None, :], mask=m2, other=0.0)
+    else:
+        old_v = tl.load(base + st_off, mask=m2, other=0.0)
+        old_g = tl.load(sbase + st_off, mask=m2, other=float("-inf"))
+        new_v = tl.load(c_ptr + b * C + col, mask=cm, other=0.0)
+        new_g = tl.load(g_ptr + b * C + col, mask=cm, other=0.0) + tl.load(ape_ptr + k0 * C + col, mask=cm, other=0.0)
+        if OVERLAP:  # CSA: the open rows' A halves (state only)
+            old_va = tl.load(base + a_off, mask=m2, other=0.0)
+            old_ga = tl.load(sbase + a_off, mask=m2, other=float("-inf"))
+            new_va = tl.load(c_ptr + b * C + ch, mask=cm, other=0.0)
+            new_ga = tl.load(g_ptr + b * C + ch, mask=cm, other=0.0) + tl.load(ape_ptr + k0 * C + ch, mask=cm,
+                                                                             other=0.0)
+        is_new = (rows == k0)[:, None]
+        before = (rows < k0)[:, None]
+        v = tl.where(is_new, new_v[None, :], tl.where(before, old_v, 0.0))
+        gs = tl.where(is_new, new_g[None, :], tl.where(before, old_g, float("-inf")))  # the state's (unmasked)
+        if OVERLAP:
+            va = tl.where(is_new, new_va[None, :], tl.where(before, old_va, 0.0))
+            ga = tl.where(is_new, new_ga[None, :], tl.where(before, old_ga, float("-inf")))
     gt = tl.where(m2, gs, float("-inf"))
     if OVERLAP:  # the previous window's A halves join the softmax
         e = _pool_rows(v, gt, pv, pg, OVERLAP)
@@ -118,8 +137,6 @@ def _pool_kernel(c_ptr, g_ptr, ape_ptr, kv_ptr, sc_ptr, e_ptr, start_ptr, C, d, 
     tl.store(base + st_off, v, mask=m2)
     tl.store(sbase + st_off, gs, mask=m2)
     if OVERLAP:
-        va = tl.where(is_new, new_va[None, :], tl.where(before, old_va, 0.0))
-        ga = tl.where(is_new, new_ga[None, :], tl.where(before, old_ga, float("-inf")))
         tl.store(base + a_off, va, mask=m2)
         tl.store(sbase + a_off, ga, mask=m2)
         if closes:
@@ -332,19 +349,24 @@ def _pack_meta(entries: torch.Tensor, d: int, quant: str | None) -> dict:
 
 def compressor(c: torch.Tensor, g: torch.Tensor, ape: torch.Tensor, norm_w: torch.Tensor, eps: float,
                cos_tab: torch.Tensor, sin_tab: torch.Tensor, kv_state: torch.Tensor, score_state: torch.Tensor,
-               entries: torch.Tensor, start: torch.Tensor, ratio: int, overlap: bool, quant: str | None) -> None:
+               entries: torch.Tensor, start: torch.Tensor, ratio: int, overlap: bool, quant: str | None,
+               window: bool = False) -> None:
     B, S, C = c.shape
     d = C // 2 if overlap else C
+    if window and S != ratio:
+        raise ValueError(f"compressor: window=True needs one window's {ratio} rows, got {S}")
     # rotate_fp4 needs a power-of-two width: other widths finish through the reference after the pool (no counter)
     odd_fp4 = quant == "fp4" and (d & (d - 1) or d < 32)
     if not (kv_state.is_contiguous() and score_state.is_contiguous() and entries.is_contiguous()) or \
             (S > 1 and (odd_fp4 or c.stride(2) != 1 or g.stride(2) != 1)):
         return compressor_ref(c, g, ape, norm_w, eps, cos_tab, sin_tab, kv_state, score_state, entries, start,
                               ratio, overlap, quant)
-    if S > 1:
+    win = window and S > 1 and B <= MAX_ROWS  # one window from its start: the decode launch over its given rows
+    if S > 1 and not win:
         return _chunk(c, g, ape, norm_w, eps, cos_tab, sin_tab, kv_state, score_state, entries, start, ratio, overlap,
                       quant)
-    c2, g2 = c.reshape(B, C).contiguous(), g.reshape(B, C).contiguous()
+    # a window's rows are read through their strides (views of the fused projection); one row as a contiguous copy
+    c2, g2 = (c, g) if win else (c.reshape(B, C).contiguous(), g.reshape(B, C).contiguous())
     ref_finish = odd_fp4
     if B > MAX_ROWS:
         return compressor_ref(c, g, ape, norm_w, eps, cos_tab, sin_tab, kv_state, score_state, entries, start,
@@ -355,14 +377,15 @@ def compressor(c: torch.Tensor, g: torch.Tensor, ape: torch.Tensor, norm_w: torc
     nope = d - 2 * rd2
     cos_c, sin_c = cos_tab.contiguous(), sin_tab.contiguous()
     _pool_kernel[(B, triton.cdiv(d, blk))](
-        c2, g2, ape.contiguous(), kv_state, score_state, e, start, C, d,
+        c2, g2, ape.contiguous(), kv_state, score_state, e, start, C, d, c.stride(0) if win else 0,
+        c.stride(1) if win else 0, g.stride(0) if win else 0, g.stride(1) if win else 0,
         e if ref_finish else arrival_counters(c.device, "compressor", MAX_ROWS),
         norm_w, cos_c, sin_c, entries, _view16(entries), entries.shape[1], eps, cos_tab.shape[0],
         R=ratio, OVERLAP=overlap, RP=triton.next_power_of_2(ratio), BLOCK=blk, RD2=rd2, NOPE=nope,
         NB_P=triton.next_power_of_2(max(nope // 64, 1)),
         QUANT=-1 if ref_finish else {None: 0, "fp8": 1, "fp4": 2}[quant],
         ROW=triton.next_power_of_2(d), LOG2D=triton.next_power_of_2(d).bit_length() - 1,
-        HSCALE=hadamard_scale(triton.next_power_of_2(d)), **_pack_meta(entries, d, quant))
+        HSCALE=hadamard_scale(triton.next_power_of_2(d)), WIN=win, **_pack_meta(entries, d, quant))
     if ref_finish:
         w = start // ratio
         emit = (start + 1) % ratio == 0

@@ -1,7 +1,8 @@
 """Triton fast path of `step_plan` (dsv4/ops/plan.py): the decode step's plan in one launch.
 
 One program per output family, all in one grid: program 0 writes the window list and the ring slot, programs
-1..T copy the RoPE rows of table t at the position, programs T+1.. write a visible count or an HCA list. Integer
+1..T copy the RoPE rows of table t at the position, programs T+1.. write a visible count (with the window slot and
+start) or an HCA list. Integer
 results and copied rows: bit for bit `step_plan_ref`. Up to MAX_TABLES tables and MAX_LISTS ratios / lists per call
 (more: the reference runs). The position is not checked against the tables' rows (the reference's indexing raises
 there; the engine never asks past them).
@@ -63,6 +64,8 @@ def _plan_kernel(start_ptr, win_ptr, ring_ptr, window,
         else:
             r, v = r3, v3
         tl.store(v, (pos + 1) // r)
+        tl.store(v + 1, pos % r)
+        tl.store(v + 2, pos - pos % r)
     else:
         i = pid - 1 - T - NV
         if i == 0:
@@ -98,7 +101,7 @@ def step_plan(start: torch.Tensor, window: int, tables: list, ratios: list, pref
     ring = torch.empty(1, dtype=torch.int64, device=dev)
     ropes = [(torch.empty((1, half), dtype=torch.float32, device=dev),
               torch.empty((1, half), dtype=torch.float32, device=dev)) for _ in tables]
-    n_vis = [torch.empty(1, dtype=torch.int64, device=dev) for _ in ratios]
+    n_vis = [torch.empty(3, dtype=torch.int64, device=dev) for _ in ratios]
     lists = [torch.empty((1, n), dtype=torch.int32, device=dev) for _, n in prefix]
     # unused slots take tensors of the used ones' types (never read or written)
     dummy = torch.empty(1, dtype=torch.float32, device=dev)

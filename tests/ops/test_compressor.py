@@ -134,3 +134,48 @@ def test_chunks_match_reference(ratio, overlap, d, quant, dtype, chunks):
         _assert_entries(fast_st.entries, ref_st.entries, quant)
         p += S
     assert fast_st.entries[:, : p // ratio].abs().amax(-1).gt(0).all()  # every closed window was written
+
+
+@both_tiers
+@pytest.mark.parametrize("ratio,overlap,d,quant,dtype", [
+    (4, True, 128, "fp8", torch.bfloat16),
+    (8, False, 128, "fp8", torch.bfloat16),
+    (4, True, 64, "fp4", torch.bfloat16),
+    (4, True, 64, None, torch.float32),
+] + ([(128, False, 512, "fp8", torch.bfloat16), (4, True, 512, "fp8", torch.bfloat16),
+      (4, True, 128, "fp4", torch.bfloat16)] if CUDA else []))
+def test_a_whole_window_in_the_decode_launch(ratio, overlap, d, quant, dtype):
+    # window=True (a decode step that closes a window after steps that only kept x: Attention.begin): one window's
+    # rows from its start, as column views of a wider projection, in the decode step's one launch. The same pooling
+    # as the step-by-step decode fed the same rows (state and entries bit for bit) and the reference's chunk (entries
+    # within the bf16 rounding, the state's last closed window bit for bit), window after window
+    fast = _fast()
+    g = torch.Generator().manual_seed(ratio * d + 7)
+    C = (2 if overlap else 1) * d
+    B = 2
+    rope = Rope(64 if d >= 128 else 32, 160000.0, None, 4096, DEV)
+    ape = (torch.randn(ratio, C, generator=g) * 0.5).to(DEV)
+    norm_w = (1 + 0.1 * torch.randn(d, generator=g)).to(torch.bfloat16).to(DEV)
+    sts = [CompressorState(B, ratio, d, overlap, 4 * ratio, dtype, DEV) for _ in range(3)]  # window, steps, ref
+    args = (ape, norm_w, 1e-6, rope.cos, rope.sin)
+    for w in range(3):
+        proj = torch.randn(B, ratio, 2 * C + 16, generator=g).to(DEV)
+        c, gg = proj[..., :C], proj[..., C + 16:]
+        start = torch.tensor([w * ratio], device=DEV)
+        fast(c, gg, *args, sts[0].kv, sts[0].score, sts[0].entries, start, ratio, overlap, quant, window=True)
+        for i in range(ratio):
+            fast(c[:, i:i + 1], gg[:, i:i + 1], *args, sts[1].kv, sts[1].score, sts[1].entries, start + i, ratio,
+                 overlap, quant)
+        compressor_ref(c, gg, *args, sts[2].kv, sts[2].score, sts[2].entries, start, ratio, overlap, quant,
+                       window=True)
+        assert torch.equal(sts[0].kv, sts[1].kv) and torch.equal(sts[0].score, sts[1].score), w
+        assert torch.equal(sts[0].entries, sts[1].entries), w
+        _assert_entries(sts[0].entries, sts[2].entries, quant)
+        if overlap:  # the window that closed, kept for the next one's overlap
+            assert torch.equal(sts[0].kv[:, :ratio], sts[2].kv[:, :ratio]), w
+            assert torch.equal(sts[0].score[:, :ratio], sts[2].score[:, :ratio]), w
+    assert sts[0].entries[:, :3].abs().amax(-1).gt(0).all()
+    for f in (fast, compressor_ref):
+        with pytest.raises(ValueError, match="window=True needs one window"):
+            f(c[:, 1:], gg[:, 1:], *args, sts[0].kv, sts[0].score, sts[0].entries, start, ratio, overlap, quant,
+              window=True)

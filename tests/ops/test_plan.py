@@ -55,7 +55,9 @@ def test_ref_is_step_plan_build(window, positions, ratios, prefix):
             want_c, want_s = plan.rope(t)
             assert _same(c, want_c) and _same(s, want_s)
         for r, v in zip(ratios, vis):
-            assert _same(v, plan.n_visible(r))
+            assert _same(v[0:1], plan.n_visible(r))
+            assert _same(v[1:2], plan.window_slots(r)) and _same(v[2:3], plan.window_start(r))
+            assert v.tolist() == [(p + 1) // r, p % r, p - p % r]
         for (r, n), lst in zip(prefix, lists):
             assert _same(lst, plan.prefix_idx(r, n))
         # spot values: the window ends at p, its ring slot p % window; -1 past the positions seen so far
