@@ -12,8 +12,10 @@ that closes no window (CSA: 3 steps in 4, HCA: 127 in 128) may defer their work 
 of what they write then (SPEC §2.4: only the token that closes a window attends to its entry), so such a step only
 keeps its x (and a CSA layer's indexer projects its head weights alone, which it reads every step), and the step that
 closes the window (`lag`) projects the window's rows at once and runs the compressors over them as a chunk from the
-window's start (the same ops; the projection's fp32 sums in another order). An HCA layer keeps its x beside the
-attention and the rest of the layer (`AttnStart.join_deferred`). The graph runner captures both schedules for such
+window's start (the same ops; the projection's fp32 sums in another order). A decode step's x row is written into the
+kept rows by the op that makes x from the streams (mhc_pre_norm's keep, `keep_target`: no launch of its own; the layer
+that builds the step's plan, and a chunk, keep theirs with an index copy), so an HCA step that keeps x launches nothing
+for its compressor, and a CSA one only its head weights' GEMV, forked after wq_a || wkv's. The graph runner captures both schedules for such
 layers and replays the one the position calls for (dsv4/graphs.py); `catch_up` brings a state that such steps left
 behind up to date before a chunk or a one-schedule step reads it.
 """
@@ -109,28 +111,46 @@ class Attention(nn.Module):
     # The forward in three phases, for the prefill graph runner (dsv4/graphs.py): `begin` and `finish` have the same
     # shapes at every full prefill chunk and are captured; `attend` reads index lists whose width follows the chunk's
     # end and runs eagerly between them. forward() runs the three in a row: the same kernels in the same order.
+    def keep_target(self, streams: torch.Tensor, plan: StepPlan, st: BlockState) -> tuple | None:
+        """(st.x_ring, this token's slot) for the op that makes a decode step's input from the streams [B,1,hc,D] to
+        write the row it makes into the compressors' kept rows (mhc_pre_norm's keep: no launch of its own), or None:
+        no compressor, a chunk, or the plan's slot not made yet (the layer that builds the step's plan keeps its row
+        itself, Attention._keep)."""
+        if self.compressor is None or streams.shape[1] != 1 or plan.pending is not None:
+            return None
+        return st.x_ring, plan.window_slots(self.spec.ratio)
+
     def begin(self, x: torch.Tensor, plan: StepPlan, st: BlockState, rope: Rope, join: bool = False,
-              defer: bool = False, lag: bool = False) -> "AttnStart":
+              defer: bool = False, lag: bool = False, kept: bool = False) -> "AttnStart":
         """The projections: the compressors (and their fused projection of x) on a side branch, wq_a || wkv, the
         query's norm + wq_b (|| the indexer's wq_b). join: the side branch is joined here (a captured piece must end
         with it), not before the attention. defer: a decode step that closes no compressor window defers the
         compressors' work (it keeps x; see the module's docstring; ignored where `defers` does not hold). lag: a decode
         step that closes a window after such steps (the deferring runner's other schedule): the compressors run over
-        the window's kept rows."""
+        the window's kept rows. kept: x's row is in st.x_ring already (keep_target)."""
         cos, sin = plan.rope(rope)
         one = self.defers(x, join)
         defer = defer and one
         mode = "keep" if defer else "close" if lag and one else "step"
         comp_branch = proj = None
         late = defer and self.indexer is None  # an HCA layer keeps x beside the attention (attend)
-        if self.compressor is not None and not late:
+        # a CSA step that keeps x (kept already) has only its head weights' small GEMV on the side: forked after wq_a ||
+        # wkv's GEMV, which it would otherwise slow (and the indexer's queries after it) on the critical path
+        after = defer and kept and not late
+        if late and kept:  # nothing left to do in this step
+            st.lagging, late = True, False
+        elif self.compressor is not None and not late and not after:
             # (on the side stream, its work follows a plan still being built)
             # the compressors read x and their own state only: a side branch beside the query / kv path, joined
             # before the indexer's scores and the attention read its entries
             comp_branch = SideBranch(x.device)
             with comp_branch:
-                proj = self._compress(x, plan, st, rope, mode)
+                proj = self._compress(x, plan, st, rope, mode, kept)
         q_a, kv = self.qkv_a(x)
+        if after:
+            comp_branch = SideBranch(x.device)
+            with comp_branch:
+                proj = self._compress(x, plan, st, rope, mode, kept)
         # the query's low-rank norm and wq_b (|| the indexer's wq_b) as one op: a decode step norms inside the GEMV;
         # a prefill chunk's norm hands the GEMM its FP8 codes
         idx_fork = None
@@ -153,7 +173,8 @@ class Attention(nn.Module):
                 comp_branch = None
         return AttnStart(x.shape[0], x.shape[1], rope, cos, sin, q, q_idx, kv, proj, comp_branch, x, idx_fork, late)
 
-    def _compress(self, x: torch.Tensor, plan: StepPlan, st: BlockState, rope: Rope, mode: str = "step") -> tuple:
+    def _compress(self, x: torch.Tensor, plan: StepPlan, st: BlockState, rope: Rope, mode: str = "step",
+                  kept: bool = False) -> tuple:
         """The compressors on x (on the caller's stream) -> the fused projections (kept referenced by the caller until
         its branch is joined; a CSA layer's head weights are the 5th). mode "step": project x and run the compressors
         at plan.pos; "keep" (a decode step that defers them): only keep x (CSA: and project the head weights);
@@ -162,7 +183,8 @@ class Attention(nn.Module):
         # fp32 projections of the input (SPEC §5.16: fp32 weights and input), all of the layer's in one GEMM on x (or
         # on the window's kept rows) as it is: its values are exact in its dtype (bf16 activations: bf16 products,
         # exact in the fp32 accumulation), so no fp32 copy is made
-        self._keep(x, plan, st)
+        if not kept:
+            self._keep(x, plan, st)
         if mode == "keep":  # (the graph runner keeps st.lagging at every replay; this marks an eager call's too)
             st.lagging = True
             return (None,) * 4 + (self.indexer.weights_proj(x, torch.float32),) if self.indexer is not None else None

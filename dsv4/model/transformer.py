@@ -92,8 +92,10 @@ class Block(nn.Module):
               pre: tuple | None = None, defer: bool = False, lag: bool = False) -> tuple:
         """The attention's mhc_pre + RMSNorm (or `pre`, its (y, post, comb) made by the block before) and its
         projections -> (carry for finish, AttnStart)."""
-        y, post, comb = ops.mhc_pre_norm(x, *self.pre_args()) if pre is None else pre
-        return (x, post, comb), self.attn.begin(y, plan, st, rope, join, defer, lag)
+        # a decode step's kept compressor input row (BlockState.x_ring) written by the same op (Attention.keep_target)
+        keep = self.attn.keep_target(x, plan, st) if pre is None else None
+        y, post, comb = ops.mhc_pre_norm(x, *self.pre_args(), keep=keep) if pre is None else pre
+        return (x, post, comb), self.attn.begin(y, plan, st, rope, join, defer, lag, kept=keep is not None)
 
     def pre_args(self) -> tuple:
         """The attention's mhc_pre_norm parameters after its input streams."""

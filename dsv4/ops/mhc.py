@@ -55,12 +55,23 @@ def mhc_head_ref(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
 
 
 def mhc_pre_norm_ref(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int,
-                     iters: int, hc_eps: float, norm_eps: float, w: torch.Tensor, eps: float, quant: bool = False):
+                     iters: int, hc_eps: float, norm_eps: float, w: torch.Tensor, eps: float, quant: bool = False,
+                     keep: tuple | None = None):
     """mhc_pre, then the sublayer's RMSNorm (weight w, eps) of its input: -> (rmsnorm(y), post, comb). With quant
-    the normed y comes as a QuantAct (with its act_quant, for the sublayer's first quantizing linear)."""
+    the normed y comes as a QuantAct (with its act_quant, for the sublayer's first quantizing linear). keep = (ring
+    [B, r, D], slots [m] int64): the normed rows of the last m tokens are also written to ring[:, slots] (a compressor's
+    kept input rows, dsv4/model/attention.py)."""
     y, post, comb = mhc_pre_ref(x, fn, base, scale, hc, iters, hc_eps, norm_eps)
     y = rmsnorm_ref(y, w, eps)
+    keep_rows(y, keep)
     return (quant_act_ref(y) if quant else y), post, comb
+
+
+def keep_rows(y: torch.Tensor, keep: tuple | None) -> None:
+    """y's last m rows [B, m, D] into ring[:, slots] for keep = (ring, slots [m]) (mhc_pre_norm's keep)."""
+    if keep is not None:
+        ring, slots = keep
+        ring.index_copy_(1, slots, y[:, y.shape[1] - slots.shape[0]:].to(ring.dtype))
 
 
 def mhc_post_pre_norm_ref(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
@@ -79,10 +90,15 @@ def make_fast_boundaries(mhc_triton):
         return None, None
     from dsv4.ops import mhc_cuda
 
-    def mhc_pre_norm_fast(x, fn, base, scale, hc, iters, hc_eps, norm_eps, w, eps, quant=False):
+    def mhc_pre_norm_fast(x, fn, base, scale, hc, iters, hc_eps, norm_eps, w, eps, quant=False, keep=None):
         if mhc_cuda.applies(x, fn, base, scale, hc, iters, w, quant=quant):
-            return mhc_cuda.boundary(x, fn, base, scale, iters, hc_eps, norm_eps, w, eps, quant=quant)
-        return mhc_triton.mhc_pre_norm(x, fn, base, scale, hc, iters, hc_eps, norm_eps, w, eps, quant)
+            if keep is None or mhc_cuda.keeps(x, keep):  # the ring row written by the same launch
+                return mhc_cuda.boundary(x, fn, base, scale, iters, hc_eps, norm_eps, w, eps, quant=quant, keep=keep)
+            out = mhc_cuda.boundary(x, fn, base, scale, iters, hc_eps, norm_eps, w, eps, quant=quant)
+        else:
+            out = mhc_triton.mhc_pre_norm(x, fn, base, scale, hc, iters, hc_eps, norm_eps, w, eps, quant)
+        keep_rows(out[0].x if quant else out[0], keep)
+        return out
 
     def mhc_post_pre_norm_fast(f, x, post, comb, fn, base, scale, hc, iters, hc_eps, norm_eps, w, eps, quant=False):
         if mhc_cuda.applies(x, fn, base, scale, hc, iters, w, f, post, comb, quant):
@@ -108,7 +124,8 @@ def register_ops(register) -> None:
     register("mhc_head", mhc_head_ref, getattr(fast, "mhc_head", None), interpretable=True,
              doc="head hyper-connection: sigmoid-weighted stream sum")
     register("mhc_pre_norm", mhc_pre_norm_ref, pre_norm_fast, interpretable=True,
-             doc="mHC pre + the sublayer's RMSNorm", cuda="decode, 1-8 tokens: one launch")
+             doc="mHC pre + the sublayer's RMSNorm (keep: its rows also into a ring)",
+             cuda="decode, 1-8 tokens: one launch (and the kept row)")
     register("mhc_post_pre_norm", mhc_post_pre_norm_ref, post_pre_norm_fast,
              interpretable=True, doc="mHC boundary: post of one sublayer, pre + RMSNorm of the next",
              cuda="decode, 1-8 tokens: one launch")

@@ -5,7 +5,8 @@ bf16 streams and norm weight, hc = 4, D a multiple of 64: 64-column CTAs write t
 their partial mixes; the last CTA of each token to arrive reduces them in a fixed order and finishes the token (the
 Sinkhorn comb in one warp beside y = sum_j pre_j X_j and its RMSNorm in the others). Same input, same bits; no host
 sync, graph-safe (the arrival counters reset themselves). `applies(...)` says whether a call takes this path (else
-the Triton kernels run: prefill chunks, other shapes or dtypes, no CUDA build).
+the Triton kernels run: prefill chunks, other shapes or dtypes, no CUDA build). mhc_pre_norm's keep (a decode step's
+row of a compressor's kept input, `keeps(...)`) is one more store of the finished row, at a slot read on the device.
 """
 
 from __future__ import annotations
@@ -54,11 +55,24 @@ def applies(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
     return cuda_kernels.load() is not None
 
 
+def keeps(x: torch.Tensor, keep: tuple) -> bool:
+    """Whether the launch itself writes mhc_pre_norm's keep = (ring, slots) (see dsv4/ops/mhc.py): one token per
+    sequence (S = 1, one slot), a bf16 ring [B, r, D] on x's device, rows contiguous and 16-byte aligned, slots int64."""
+    ring, slots = keep
+    B, S, _, D = x.shape
+    return (S == 1 and slots.numel() == 1 and slots.dtype == torch.int64 and slots.device == x.device
+            and ring.dtype == torch.bfloat16 and ring.device == x.device and ring.dim() == 3
+            and ring.shape[0] == B and ring.shape[2] == D and ring.stride(2) == 1 and ring.stride(1) == D
+            and ring.stride(0) % 8 == 0 and ring.data_ptr() % 16 == 0)
+
+
 def boundary(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, hc_eps: float,
              norm_eps: float, w: torch.Tensor, eps: float, f: torch.Tensor | None = None,
-             post: torch.Tensor | None = None, comb: torch.Tensor | None = None, quant: bool = False):
+             post: torch.Tensor | None = None, comb: torch.Tensor | None = None, quant: bool = False,
+             keep: tuple | None = None):
     """mhc_pre_norm (f is None) -> (y, post', comb'), or mhc_post_pre_norm -> (streams, y, post', comb'), as the
-    Triton ops return them (see applies()); with quant, y comes as a QuantAct whose codes the same launch wrote."""
+    Triton ops return them (see applies()); with quant, y comes as a QuantAct whose codes the same launch wrote. keep
+    (where keeps() holds): y's row also written to ring[b, slots[0]] by the same launch."""
     from dsv4.ops.triton_util import arrival_counters
 
     mod = cuda_kernels.load()
@@ -80,7 +94,7 @@ def boundary(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch
     mod.mhc_boundary(f, x.view(T, hc, D), post, comb, fn.contiguous(), base.contiguous(), scale.contiguous(),
                      w.contiguous(), None if out is None else out.view(T, hc, D), y, post_out, comb_out, part, sq,
                      arrival_counters(dev, "mhc boundary", MAX_T), int(iters), float(hc_eps), float(norm_eps),
-                     float(eps), PDL, yq, yqs)
+                     float(eps), PDL, yq, yqs, None if keep is None else keep[0], None if keep is None else keep[1])
     if quant:
         y = QuantAct(y, yq, yqs)
     if out is None:

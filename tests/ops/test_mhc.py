@@ -131,6 +131,32 @@ def test_interpreted_boundary_with_codes(B, S, D):
                              quant=True)
 
 
+@pytest.mark.parametrize("S,slots", [(1, [2]), (3, [0, 1]), (5, [3, 0, 1, 2])])
+def test_pre_norm_keeps_the_last_rows(S, slots):
+    """keep = (ring, slots [m]): the reference and the fast op (interpreted Triton on the CPU; the CUDA launch on a
+    GPU for one token) write the normed rows of the last m tokens into ring[:, slots], bit for bit the y they return,
+    and leave every other slot as it was."""
+    from dsv4 import ops
+    from dsv4.ops.mhc import mhc_pre_norm_ref
+
+    dev = "cuda" if CUDA else "cpu"
+    B, D, r = 2, 128, 4
+    x, fn, base, scale = _inputs(B, S, D, dev, seed=S)
+    w = torch.ones(D, dtype=torch.bfloat16, device=dev)
+    args = (fn, base, scale, 4, 20, 1e-6, 1e-6, w, 1e-6)
+    sl = torch.tensor(slots, dtype=torch.int64, device=dev)
+    m = len(slots)
+    kept = [i for i in range(r) if i in slots]
+    untouched = [i for i in range(r) if i not in slots]
+    for fn_ in (mhc_pre_norm_ref, ops.OPS["mhc_pre_norm"].fast):
+        if fn_ is None:
+            continue
+        ring = torch.full((B, r, D), 7.0, dtype=torch.bfloat16, device=dev)
+        y = fn_(x, *args, keep=(ring, sl))[0]
+        assert torch.equal(ring[:, sl], y[:, S - m:]), fn_
+        assert kept and bool((ring[:, untouched] == 7.0).all())
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("S", [1, 4, 128, 37])

@@ -98,6 +98,46 @@ def test_codes_of_y(B, S, D):
     assert mc.applies(x, fn, base, scale, 4, ITERS, w) and not mc.applies(x, fn, base, scale, 4, ITERS, w, quant=True)
 
 
+# Flash and Pro widths, three sequences (a ring per sequence), the last slot of a CSA and an HCA window
+@pytest.mark.parametrize("B,D,r,slot", [(1, 4096, 4, 3), (1, 7168, 128, 127), (3, 4096, 4, 1), (2, 384, 128, 0)])
+def test_keep_writes_the_ring_row(B, D, r, slot):
+    """keep = (ring, slot): the same launch also writes y's row of each sequence into its ring at the device slot, bit
+    for bit y; every other slot untouched; y, post, comb (and with quant the codes) bit for bit the launch without keep;
+    the fast op routes it here, and keeps (index_copy) after the Triton kernels where the launch cannot (two tokens)."""
+    from dsv4 import ops
+
+    mc, _ = _mods()
+    x, fn, base, scale, w, *_ = _case(B, 1, D, seed=D + r + B)
+    hc = (ITERS, HC_EPS, NORM_EPS, w, EPS)
+    # the ring as BlockState holds it: [B, r, D], here inside a larger buffer (a batch stride of its own)
+    buf = torch.randn(B, r + 2, D, device="cuda").to(torch.bfloat16)
+    ring = buf[:, 1:r + 1]
+    before = ring.clone()
+    slots = torch.full((1,), slot, dtype=torch.int64, device="cuda")
+    assert mc.keeps(x, (ring, slots)) and not mc.keeps(x, (ring, slots.int()))
+    for quant in (False, True):
+        plain = mc.boundary(x, fn, base, scale, *hc, quant=quant)
+        got = mc.boundary(x, fn, base, scale, *hc, quant=quant, keep=(ring, slots))
+        for a, b in zip(plain, got):
+            for ta, tb in zip(a if quant and isinstance(a, tuple) else (a,), b if quant and isinstance(b, tuple) else (b,)):
+                assert_bitwise_equal(tb, ta, "keep vs no keep")
+        y = got[0].x if quant else got[0]
+        assert_bitwise_equal(ring[:, slot], y[:, 0], "the kept row")
+        other = torch.arange(r, device="cuda") != slot
+        assert_bitwise_equal(ring[:, other], before[:, other], "the other slots")
+        assert_bitwise_equal(buf[:, 0], buf[:, 0].clone(), "outside the ring")
+    ring.copy_(before)
+    args = (fn, base, scale, 4, *hc[:1], HC_EPS, NORM_EPS, w, EPS)
+    y = ops.OPS["mhc_pre_norm"].fast(x, *args, keep=(ring, slots))[0]
+    assert_bitwise_equal(ring[:, slot], y[:, 0], "the fast op's kept row")
+    # two tokens: the Triton kernels, then the last token's row kept
+    x2, *_ = _case(B, 2, D, seed=D + r)
+    ring.copy_(before)
+    assert not mc.keeps(x2, (ring, slots))
+    y2 = ops.OPS["mhc_pre_norm"].fast(x2, *args, keep=(ring, slots))[0]
+    assert_bitwise_equal(ring[:, slot], y2[:, 1], "a chunk's last row kept")
+
+
 def test_deterministic_counters_and_graph():
     mc, _ = _mods()
     from dsv4.ops.triton_util import arrival_counters
@@ -151,7 +191,7 @@ def test_binding_refuses_bad_calls():
     part, sq = torch.empty(T, 24, D // 64, device="cuda"), torch.empty(T, D // 64, device="cuda")
     cnt = torch.zeros(8, dtype=torch.int32, device="cuda")
     xs = x.view(T, 4, D)
-    tail = (0.0, 1e-6, 1e-6, False, None, None)
+    tail = (0.0, 1e-6, 1e-6, False, None, None, None, None)
     with pytest.raises(RuntimeError, match="come together"):
         mod.mhc_boundary(f.view(T, D), xs, None, comb, fn, base, scale, w, None, y, po, co, part, sq, cnt, 20, *tail)
     with pytest.raises(RuntimeError, match=r"D a multiple of 64 up to 7168 \(got T = 1, D = 100\)"):
@@ -165,10 +205,21 @@ def test_binding_refuses_bad_calls():
     yqs = torch.empty(T, D // 128, device="cuda")
     with pytest.raises(RuntimeError, match="yq and yqs come together"):
         mod.mhc_boundary(None, xs, None, None, fn, base, scale, w, None, y, po, co, part, sq, cnt, 20, *tail[:4], yq,
-                         None)
+                         None, None, None)
     with pytest.raises(RuntimeError, match="yq must be"):
         mod.mhc_boundary(None, xs, None, None, fn, base, scale, w, None, y, po, co, part, sq, cnt, 20, *tail[:4],
-                         yq.view(torch.uint8), yqs)
+                         yq.view(torch.uint8), yqs, None, None)
     with pytest.raises(RuntimeError, match="yqs must be"):
         mod.mhc_boundary(None, xs, None, None, fn, base, scale, w, None, y, po, co, part, sq, cnt, 20, *tail[:4], yq,
-                         yqs[:, 1:])
+                         yqs[:, 1:], None, None)
+    ring = torch.empty(T, 4, D, dtype=torch.bfloat16, device="cuda")
+    slot = torch.zeros(1, dtype=torch.int64, device="cuda")
+    with pytest.raises(RuntimeError, match="keep and keep_slot come together"):
+        mod.mhc_boundary(None, xs, None, None, fn, base, scale, w, None, y, po, co, part, sq, cnt, 20, *tail[:6], ring,
+                         None)
+    with pytest.raises(RuntimeError, match="keep must be"):
+        mod.mhc_boundary(None, xs, None, None, fn, base, scale, w, None, y, po, co, part, sq, cnt, 20, *tail[:6],
+                         ring[:, :, 1:], slot)
+    with pytest.raises(RuntimeError, match="keep_slot must be"):
+        mod.mhc_boundary(None, xs, None, None, fn, base, scale, w, None, y, po, co, part, sq, cnt, 20, *tail[:6], ring,
+                         slot.int())

@@ -385,7 +385,8 @@ void mhc_boundary(const c10::optional<at::Tensor>& f, const at::Tensor& x, const
                   const at::Tensor& scale, const at::Tensor& w, const c10::optional<at::Tensor>& out, at::Tensor& y,
                   at::Tensor& post_out, at::Tensor& comb_out, at::Tensor& part, at::Tensor& sq, at::Tensor& counter,
                   int64_t iters, double hc_eps, double norm_eps, double eps, bool pdl,
-                  const c10::optional<at::Tensor>& yq, const c10::optional<at::Tensor>& yqs) {
+                  const c10::optional<at::Tensor>& yq, const c10::optional<at::Tensor>& yqs,
+                  const c10::optional<at::Tensor>& keep, const c10::optional<at::Tensor>& keep_slot) {
   auto bf16c = [](const at::Tensor& t) { return t.is_cuda() && t.scalar_type() == at::kBFloat16 && t.is_contiguous(); };
   auto f32c = [](const at::Tensor& t) { return t.is_cuda() && t.scalar_type() == at::kFloat && t.is_contiguous(); };
   TORCH_CHECK(bf16c(x) && x.dim() == 3 && x.size(1) == 4, "mhc_boundary: x must be contiguous bf16 [T, 4, D]");
@@ -462,6 +463,20 @@ void mhc_boundary(const c10::optional<at::Tensor>& f, const at::Tensor& x, const
                 "mhc_boundary: yqs must be contiguous fp32 [T, D / 128] on x's device");
     a.yq = static_cast<uint8_t*>(yq->data_ptr());
     a.yqs = yqs->data_ptr<float>();
+  }
+  TORCH_CHECK(keep.has_value() == keep_slot.has_value(), "mhc_boundary: keep and keep_slot come together");
+  if (keep.has_value()) {  // y's rows also into a ring [T, r, D] at slot *keep_slot
+    TORCH_CHECK(keep->is_cuda() && keep->device() == x.device() && keep->scalar_type() == at::kBFloat16 &&
+                    keep->dim() == 3 && keep->size(0) == T && keep->size(2) == D && keep->stride(2) == 1 &&
+                    keep->stride(1) == D && keep->stride(0) % 8 == 0 &&
+                    reinterpret_cast<uintptr_t>(keep->data_ptr()) % 16 == 0,
+                "mhc_boundary: keep must be a 16-byte aligned bf16 [T, r, D] ring with contiguous rows on x's device");
+    TORCH_CHECK(keep_slot->is_cuda() && keep_slot->device() == x.device() && keep_slot->scalar_type() == at::kLong &&
+                    keep_slot->numel() == 1,
+                "mhc_boundary: keep_slot must be int64 [1] on x's device");
+    a.keep = reinterpret_cast<__nv_bfloat16*>(keep->data_ptr());
+    a.keep_slot = keep_slot->data_ptr<int64_t>();
+    a.keep_stride = keep->stride(0);
   }
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaError_t e = dsv4::mhc_boundary_launch(a, pdl, c10::cuda::getCurrentCUDAStream().stream());

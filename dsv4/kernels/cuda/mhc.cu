@@ -156,6 +156,7 @@ __global__ void __launch_bounds__(kThreads, MINB) mhc_boundary_kernel(const MhcA
     float pre[HC];
     mhc::pre_weights(mix, bs + MIX, bs, a.hc_eps, pre);
     uint4 yq[RV];  // y as stored: bf16, 8 per vector
+    __nv_bfloat16* keep = a.keep == nullptr ? nullptr : a.keep + t * a.keep_stride + *a.keep_slot * D;
     float ss = 0.0f;
 #pragma unroll
     for (int i = 0; i < RV; ++i) mhc::y_vector(q[i], pre, yq[i], ss);  // vectors past the row hold zeros
@@ -165,6 +166,7 @@ __global__ void __launch_bounds__(kThreads, MINB) mhc_boundary_kernel(const MhcA
       const int v = r0 + i * kRowThreads;  // row hold zeros and store nothing)
       const uint4 o = mhc::norm_vector(wq[i], yq[i], rinv);
       if (v < nv) reinterpret_cast<uint4*>(a.y + static_cast<long long>(t) * D)[v] = o;
+      if (v < nv && keep != nullptr) reinterpret_cast<uint4*>(keep)[v] = o;
       if (a.yq != nullptr) {  // act_quant of the row: a 128-block is 16 vectors, the 16 lanes of a half-warp
         float ov[8], amax = 0.0f;
         unpack8(o, ov);

@@ -24,6 +24,9 @@ struct MhcArgs {
   float* part;                // [T, 24, D / 64] scratch: the CTAs' partial mixes (per mixer row, CTA order)
   float* sq;                  // [T, D / 64] scratch: their partial sums of squares
   int* counter;               // [T] arrival counters, zero before and after every launch
+  __nv_bfloat16* keep;        // or null: y's row t also to keep + t * keep_stride + (*keep_slot) * D (a ring)
+  const int64_t* keep_slot;   // [1] the ring slot (with keep)
+  long long keep_stride;      // elements between the tokens' rings
   int T, D, iters;
   float hc_eps, norm_eps, eps;
 };
