@@ -148,7 +148,9 @@ class DecodeRunner:
         return self.model.head_step(self.x_head)
 
     def _capture(self, warmup: int) -> None:
-        # warm up on a side stream (allocator, lazy inits), capture, then clear what warm-up wrote
+        # warm up on a side stream (allocator, lazy inits), capture, then clear what warm-up wrote (and what a state
+        # handed over held: the pieces are captured from a clean one, none of whose compressors lag)
+        self.state.reset()
         self._upload(0, 0)
         pools: dict = {}
         # torch.cuda.graph's default capture stream is created once, on whichever device is current

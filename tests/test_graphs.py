@@ -132,6 +132,29 @@ def test_a_state_left_lagging_is_caught_up(then):
     assert_close_rel(out, ref, "logits_incremental_fp32")
 
 
+def test_a_one_schedule_step_on_a_lagging_state_is_refused():
+    # outside a runner (which catches up first), a step that runs a layer's compressors at its position on a state
+    # that deferring steps left behind would pool a window missing its first rows: refused in one line until
+    # Transformer.catch_up; the deferring and closing schedules take it as it is
+    raw, model = _model([0, 4, 8, 16], seed=5)
+    ids = _ids(raw, 6, seed=3)
+    st = model.new_state(len(ids))
+    runner = DecodeRunner(model, st, use_graphs=False)
+    with torch.no_grad():
+        for t in ids[:2]:
+            runner.step(t)
+        assert [b.lagging for b in st.blocks] == [False, True, True, True]
+        x = runner.x_out[0]
+        pos = runner._pos(x.device)
+        with pytest.raises(ValueError, match=r"^layer 1: deferring decode steps left its compressor state behind; "
+                                             r"call Transformer\.catch_up\(state\)"):
+            model.layer_step(1, x, runner._ids(x.device), pos, st.blocks[1])
+        model.layer_step(1, x, runner._ids(x.device), pos, st.blocks[1], defer=True)  # keeps x: allowed
+        model.catch_up(st)
+        assert [b.lagging for b in st.blocks] == [False] * 4
+        model.layer_step(1, x, runner._ids(x.device), pos, st.blocks[1])
+
+
 def test_next_layers_pre_made_by_the_ffn_op_same_bits():
     # Transformer.fuse_pre: each layer's attention input (mhc_pre_norm) made by the FFN op of the layer before
     # (ops.moe_post_pre) in the decode step and in prefill chunks; on the reference backend the op is the composition

@@ -288,6 +288,10 @@ class Transformer(nn.Module):
         closes one after such steps (Attention.begin; the caller knows the position: the graph runner replays the
         schedule it calls for, and keeps st.lagging)."""
         layer = self.layers[i]
+        if st.lagging and not (defer or lag):
+            # a one-schedule step would run the compressors at pos over a state missing the open window's rows
+            raise ValueError(f"layer {i}: deferring decode steps left its compressor state behind; call "
+                             "Transformer.catch_up(state) before a step that runs the compressors at every position")
         dev = x.device
         first = i == 0 or self.layers[i - 1].attn_norm.weight.device != dev
         with on_device(dev):
