@@ -285,7 +285,8 @@ class Engine:
             raise EngineError(str(e)) from None
         self.state_ids: list[int] | None = []  # tokens whose KV the state holds; None: unknown (reset)
         self.input_device = model.embed.weight.device  # ids enter at the embedding's device
-        # On CUDA, decode replays one captured graph per layer (two for a CSA or HCA layer: dsv4/graphs.py)
+        # On CUDA, decode replays one captured graph per layer (two for a CSA or HCA layer not first on its GPU:
+        # dsv4/graphs.py)
         # over the same state the chunked prefill fills; on CPU (or with graphs=False) the model's forward runs the same one-token step eagerly.
         from dsv4 import ops
 

@@ -66,13 +66,17 @@ def layer_read_bytes(layer) -> int:
     return total + k * module_bytes(experts) // experts.n_experts
 
 
-def state_read_bytes(st, pos: int, spec) -> int:
-    """Cache bytes one step reads at position pos (window + visible compressed entries + indexer keys)."""
+def state_read_bytes(st, pos: int, spec, kept: bool = False) -> int:
+    """Cache bytes one step reads at position pos (window + visible compressed entries + indexer keys + the
+    compressors' open rows); kept: the step closes a window after deferring steps and also reads their kept input rows
+    (BlockState.x_ring)."""
     n = st.window.shape[1] * st.window.shape[2] * st.window.element_size()
     for c in (st.compressor, st.indexer):
         if c is not None:
             visible = (pos + 1) // c.ratio
             n += visible * c.entries.shape[2] * c.entries.element_size() + tensor_bytes(c.kv) + tensor_bytes(c.score)
+    if kept and st.x_ring is not None:
+        n += tensor_bytes(st.x_ring)
     return n
 
 
@@ -591,7 +595,7 @@ def main(argv=None) -> int:
     import torch
 
     from dsv4.config import ModelConfig
-    from dsv4.graphs import DecodeRunner
+    from dsv4.graphs import DecodeRunner, defer_ratios
     from dsv4.model.layers import Numerics, set_overlap
     from dsv4.model.transformer import Transformer
     from dsv4.testing import randomize_
@@ -742,7 +746,10 @@ def main(argv=None) -> int:
                         prof[spec_i.attn] = profile_layer(lambda f=model.layers[i], a=keep[i]: f(*a), keep[i][0].device)
                 pf["profile"] = prof
             row["prefill"] = pf
-        cache = [state_read_bytes(st, ctx - 1, s) for st, s in zip(state.blocks, cfg.layers)]
+        # (the step at ctx - 1 closes every window; a deferring layer's reads the rows its earlier steps kept)
+        kept = [0] * len(cfg.layers) if args.no_defer else defer_ratios(model)
+        cache = [state_read_bytes(st, ctx - 1, s, r > 0 and ctx % r == 0)
+                 for st, s, r in zip(state.blocks, cfg.layers, kept)]
         row["layer_weight_bytes"] = per_layer_bytes
         row["layer_cache_bytes"] = cache
         by_kind = {}

@@ -14,8 +14,9 @@ keeps its x (and a CSA layer's indexer projects its head weights alone, which it
 closes the window (`lag`) projects the window's rows at once and runs the compressors over them as a chunk from the
 window's start (the same ops; the projection's fp32 sums in another order). A decode step's x row is written into the
 kept rows by the op that makes x from the streams (mhc_pre_norm's keep, `keep_target`: no launch of its own; the layer
-that builds the step's plan, and a chunk, keep theirs with an index copy), so an HCA step that keeps x launches nothing
-for its compressor, and a CSA one only its head weights' GEMV, forked after wq_a || wkv's. The graph runner captures both schedules for such
+that builds the step's plan, a chunk, and a step whose x the layer before made (Transformer.fuse_pre) keep theirs with
+an index copy), so an HCA step that keeps x launches nothing for its compressor, and a CSA one only its head weights'
+GEMV, forked after wq_a || wkv's. The graph runner captures both schedules for such
 layers and replays the one the position calls for (dsv4/graphs.py); `catch_up` brings a state that such steps left
 behind up to date before a chunk or a one-schedule step reads it.
 """
@@ -105,7 +106,8 @@ class Attention(nn.Module):
         return self.compressor is not None
 
     def defers(self, x: torch.Tensor, join: bool = False) -> bool:
-        """Whether `defer` applies to this call: `can_defer`, one token (a decode step), no join."""
+        """Whether `defer` and `lag` apply to this call (Attention.begin): `can_defer`, one token (a decode step), no
+        join. The caller passes them at the right positions (lag only where the window closes): not checked here."""
         return self.can_defer and x.shape[0] * x.shape[1] == 1 and not join
 
     # The forward in three phases, for the prefill graph runner (dsv4/graphs.py): `begin` and `finish` have the same

@@ -1,4 +1,6 @@
-"""Triton fast path of the compressor update: the decode step (S = 1) in one launch, a chunk (S > 1) in two.
+"""Triton fast path of the compressor update: the decode step (S = 1) in one launch, a chunk (S > 1) in two, and a
+whole window from its start (window=True: a decode step that closes a window after steps that only kept their input)
+in the decode step's one launch (WIN: its rows read through their strides).
 
 Same signature and result as `compressor_ref` (dsv4/ops/compressor.py). The decode step is `_pool_kernel`, grid
 (B, d / BLOCK) (more than MAX_ROWS batch rows run the reference; the indexer's FP4 keys at a width that is not a

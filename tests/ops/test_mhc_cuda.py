@@ -112,20 +112,20 @@ def test_keep_writes_the_ring_row(B, D, r, slot):
     # the ring as BlockState holds it: [B, r, D], here inside a larger buffer (a batch stride of its own)
     buf = torch.randn(B, r + 2, D, device="cuda").to(torch.bfloat16)
     ring = buf[:, 1:r + 1]
-    before = ring.clone()
+    before, outside = ring.clone(), buf[:, [0, r + 1]].clone()
     slots = torch.full((1,), slot, dtype=torch.int64, device="cuda")
     assert mc.keeps(x, (ring, slots)) and not mc.keeps(x, (ring, slots.int()))
     for quant in (False, True):
         plain = mc.boundary(x, fn, base, scale, *hc, quant=quant)
         got = mc.boundary(x, fn, base, scale, *hc, quant=quant, keep=(ring, slots))
-        for a, b in zip(plain, got):
-            for ta, tb in zip(a if quant and isinstance(a, tuple) else (a,), b if quant and isinstance(b, tuple) else (b,)):
+        for a, b in zip(plain, got):  # (with quant, y is a QuantAct: its x, codes and scales)
+            for ta, tb in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
                 assert_bitwise_equal(tb, ta, "keep vs no keep")
         y = got[0].x if quant else got[0]
         assert_bitwise_equal(ring[:, slot], y[:, 0], "the kept row")
         other = torch.arange(r, device="cuda") != slot
         assert_bitwise_equal(ring[:, other], before[:, other], "the other slots")
-        assert_bitwise_equal(buf[:, 0], buf[:, 0].clone(), "outside the ring")
+        assert_bitwise_equal(buf[:, [0, r + 1]], outside, "outside the ring")
     ring.copy_(before)
     args = (fn, base, scale, 4, *hc[:1], HC_EPS, NORM_EPS, w, EPS)
     y = ops.OPS["mhc_pre_norm"].fast(x, *args, keep=(ring, slots))[0]

@@ -110,3 +110,21 @@ def test_busy_gaps_takes_the_union_over_streams_and_sizes_the_idle_gaps():
     # back to back: no gap; nothing: an empty report
     assert bd.busy_gaps([(0.0, 1.0, "x"), (1.0, 2.0, "y")])["idle_us_by_gap"] == {}
     assert bd.busy_gaps([]) == {"span_us": 0.0, "busy_us": 0.0, "kernels": 0, "idle_us_by_gap": {}, "top_gaps": []}
+
+
+def test_state_read_bytes_counts_the_kept_rows_where_a_window_closes():
+    # a tiny state (CSA layer: compressor + indexer): the window, the visible entries and the open rows of each
+    # compressor; a step that closes a window after deferring steps also reads the kept input rows (x_ring)
+    from dsv4.config import ModelConfig
+    from dsv4.state import ModelState
+    from dsv4.testing import tiny_config
+
+    cfg = ModelConfig.from_dict(tiny_config([4]))
+    st = ModelState(cfg, batch=1, max_len=32, dtype=torch.bfloat16).blocks[0]
+    spec_ = cfg.layers[0]
+    base = bd.state_read_bytes(st, 15, spec_)
+    want = st.window.numel() * 2
+    for c in (st.compressor, st.indexer):
+        want += 4 * c.entries.shape[2] * c.entries.element_size() + c.kv.numel() * 4 + c.score.numel() * 4
+    assert base == want
+    assert bd.state_read_bytes(st, 15, spec_, kept=True) == base + st.x_ring.numel() * 2
