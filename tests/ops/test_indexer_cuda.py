@@ -275,7 +275,12 @@ def test_fast_op_routes_here_and_limits_go_to_triton(monkeypatch):
     assert ic.topk_prefers(x)  # decode at 128K context: the clusters
     assert_bitwise_equal(ops.OPS["topk_select"].fast(x, n_vis, 512), real(x, n_vis, 512, kernel="cluster"), "routed")
     assert calls == [(1, 32768)] and mod.topk_select_path(32768, 0, 1, 0) == 1
-    assert not ic.topk_prefers(x[..., :8192])  # decode at <= 32K context: Triton
+    assert ic.topk_prefers(x[..., :2049]) and ic.topk_prefers(x[..., :8192])  # decode past 8K context: the clusters
+    assert not ic.topk_prefers(x[..., :2048])  # decode at <= 8K context (one CTA): Triton
+    ops.OPS["topk_select"].fast(x[..., :2048].contiguous(), counts(1, 2000), 512)
+    assert len(calls) == 1
+    ops.OPS["topk_select"].fast(x[..., :4096].contiguous(), counts(1, 4000), 512)
+    assert calls[-1] == (1, 4096)
     # prefill chunks of 16-bit scores from 16K to 128K context (4K-32K entries): one CTA a row
     chunk = tied_scores(1, 9, 32768, seed=16, dtype=torch.bfloat16, device="cuda")
     nv9 = counts(9, 32768, 30000, 700)
@@ -284,7 +289,7 @@ def test_fast_op_routes_here_and_limits_go_to_triton(monkeypatch):
                          "routed prefill")
     assert calls[-1] == (9, 32768) and mod.topk_select_path(32768, 0, 9, 0) == 0
     ops.OPS["topk_select"].fast(chunk[..., :4095].contiguous(), counts(9, 4095), 512)
-    assert len(calls) == 2  # 4095 entries: Triton
+    assert len(calls) == 3  # 4095 entries: Triton
     assert not ic.topk_prefers(chunk[..., :4095])  # shorter rows: Triton
     assert not ic.topk_prefers(chunk.float())  # fp32 chunks: Triton
     assert not ic.topk_prefers(torch.empty(1, 9, 40000, dtype=torch.bfloat16, device="cuda"))  # past the CTA's rows
