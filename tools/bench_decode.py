@@ -4,14 +4,25 @@ CUDA graphs, weight bytes read per token and achieved GB/s against the HBM floor
 
 Random weights in the official formats (FP8 projections, MXFP4 experts) are generated on the device for
 the first --layers layers of the Flash config (all 43 need ~150 GB: spread them with --device
-cuda:0,cuda:1). For each context the state is filled with random cache contents at position ctx-1, so
-the step reads a full context. Prints a table and writes JSON (--json). A benchmark, not a test.
-Needs a CUDA GPU.
+cuda:0,cuda:1, or run them on one H200 with --share-experts). For each context the state is filled with random cache
+contents at position ctx-1, so the step reads a full context. Prints a table and writes JSON (--json). A benchmark,
+not a test. Needs a CUDA GPU.
+
+--share-experts gives every layer on a device the routed-expert stacks of the first layer on it (one set of 256
+MXFP4 experts, ~3.3 GB, instead of one per layer), so that all 43 layers fit on one GPU (~12 GB of weights). A step
+still reads each layer's k chosen experts from HBM: between two layers' expert reads more than 100 MB of other
+weights pass through the 50 MB L2, so no layer finds the previous layer's experts there, and the bytes counted per
+token are the same (its logits mean no more than any random model's; its time is that of the layers it runs).
+On an H200 the whole steps of a fourth context timed in one process came out ~1 ms slower outside the layers
+(their per-layer times unchanged), whichever context came fourth: time at most three contexts a run.
 
 With a context that is a multiple of 128, the step at ctx-1 closes every compressor's window (each emits an
 entry: its costliest step, run in the emitting schedule). The graph rows therefore also time each layer at ctx-2
 ("open": every window stays open, the compressors only keep their input unless --no-defer) and project 43
-layers over a 128-token cycle, "(cycle)": a layer of compression ratio r emits at one step in r.
+layers over a 128-token cycle, "(cycle)": a layer of compression ratio r emits at one step in r. The whole step
+(embedding, every layer's graph, head, a sync) is also timed at one position of each kind the cycle holds (Flash:
+ctx-1 closes every window, ctx-5 only the ratio-4 windows, ctx-2 none) and weighted by how often each comes:
+"token ms (cycle)", measured end to end where the projection adds per-layer figures.
 
 --prefill N also times the chunked prefill of an N-token prompt that ends at each context (chunks of up to
 128 tokens; the state filled at random before the prompt), eager and (fast MoE) as the engine runs it, the full
@@ -103,6 +114,36 @@ def fill_state(state, pos: int, seed: int) -> None:
         for t, key_dim in tensors:
             t.copy_(packed(t, key_dim) if t.dtype == torch.uint8 else torch.randn(t.shape, generator=g).to(t.dtype))
     state.pos = pos
+
+
+def cycle_positions(ctx: int, ratios) -> list[tuple[int, float, int]]:
+    """The step positions whose times, weighted, give the mean step over a cycle of lcm(ratios) tokens ending at ctx:
+    [(pos, weight, largest ratio whose window the step at pos closes; 0: none)], weights summing to 1. A step at pos
+    closes the windows of every ratio r with (pos + 1) % r == 0. Needs ratios (>= 2) that divide each other and ctx a
+    multiple of the largest; [] otherwise (or without ratios). For Flash's 4 and 128: ctx-1 (all close, 1/128), ctx-5
+    (only the ratio-4 windows, 31/128), ctx-2 (none, 96/128)."""
+    rs = sorted(set(int(r) for r in ratios if r))
+    if not rs or rs[0] < 2 or any(b % a for a, b in zip(rs, rs[1:])) or ctx % rs[-1] or ctx < rs[-1]:
+        return []
+    out = [(ctx - 1, 1.0 / rs[-1], rs[-1])]
+    for r, nxt in zip(rs, rs[1:]):  # the largest ratio closing is r: (pos + 1) = ctx - r, a multiple of r, not of nxt
+        out.append((ctx - 1 - r, 1.0 / r - 1.0 / nxt, r))
+    out.append((ctx - 2, 1.0 - 1.0 / rs[0], 0))
+    return out
+
+
+def share_experts(model, devices) -> int:
+    """Give every layer the routed-expert stacks (`ffn.experts`, one module) of the first layer on its device, as
+    `Transformer.place(devices)` will spread them; call it on the meta model, before place. -> layers that share."""
+    owner: dict = {}
+    shared = 0
+    for layer, dev in zip(model.layers, model.split_layers(devices)):
+        if dev in owner:
+            layer.ffn.experts = owner[dev]
+            shared += 1
+        else:
+            owner[dev] = layer.ffn.experts
+    return shared
 
 
 def timed_wall(fn, n: int, devices) -> float:
@@ -589,6 +630,10 @@ def main(argv=None) -> int:
                    help="one decode schedule per layer: the compressors run at every step (by default a step that "
                         "closes none of a CSA or HCA layer's compressor windows only keeps its input, and the closing "
                         "step runs them over the window's kept rows: dsv4/graphs.py)")
+    p.add_argument("--share-experts", action="store_true",
+                   help="every layer on a device uses the routed-expert stacks of the first layer on it, so that all "
+                        "43 layers fit on one GPU (each step still reads its chosen experts' bytes from HBM; see "
+                        "above) (default: one set per layer)")
     p.add_argument("--json", metavar="F", help="write the results as JSON to F (default: none)")
     args = p.parse_args(argv)
 
@@ -638,12 +683,14 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     with torch.device("meta"):
         model = Transformer(cfg, Numerics(args.numerics, dtype), max_pos=max(contexts))
+    sharing = share_experts(model, devices) if args.share_experts else 0
     model.place(devices)
     randomize_(model, seed=0)
     torch.cuda.synchronize()
     build_s = time.perf_counter() - t0
     print(f"built {args.layers} Flash layers with random FP8/MXFP4 weights on {','.join(devices)} "
-          f"in {build_s:.0f}s", file=sys.stderr)
+          f"in {build_s:.0f}s: {module_bytes(model) / 1e9:.1f} GB of weights"
+          + (f" ({sharing} layers on another layer's routed experts)" if sharing else ""), file=sys.stderr)
 
     model.fuse_pre = args.fuse_pre
     if model.fuse_pre:
@@ -722,6 +769,16 @@ def main(argv=None) -> int:
                             tl[spec_i.attn] = {"layer": i, "kernels": graph_timeline(runner.layer_graph(i, ctx - 2),
                                                                                      runner.devices[i])}
                     row["timeline_open"] = tl
+            cyc_pos = cycle_positions(ctx, [s_.ratio for s_ in cfg.layers]) if mode == "graph" else []
+            if cyc_pos:  # the whole step at each kind of position the cycle holds, weighted by its share
+                by_pos = []
+                for pos, weight, closes in cyc_pos:
+                    for _ in range(2):
+                        runner.step(1, pos)
+                    ms = timed_wall(lambda r=runner, q=pos: torch.cuda.synchronize(r.step(1, q).device), n, devices)
+                    by_pos.append({"pos": pos, "weight": weight, "closes": closes, "token_ms": ms})
+                row["graph_token_ms_by_position"] = by_pos
+                row["graph_token_ms_cycle"] = sum(b["weight"] * b["token_ms"] for b in by_pos)
             runner = None  # free this mode's graphs and their memory pools before the next
         if args.prefill:
             pf = time_prefill(model, state, ctx, args.prefill, devices)
@@ -801,6 +858,10 @@ def main(argv=None) -> int:
                 cyc = r.get("projected_43_layer_token_ms_cycle")
                 print(f"{'':>8} | {'open':>5} | {'':>9} | {layers:<40} | {'':>7} | {'':>7} | {'':>9} | "
                       f"{'' if cyc is None else f'{cyc:.1f} (cycle)':>12}")
+            if mode == "graph" and "graph_token_ms_cycle" in r:
+                parts = ", ".join(f"ctx{b['pos'] - r['context']:+d} x {b['weight']:.4f}: {b['token_ms']:.2f}"
+                                  for b in r["graph_token_ms_by_position"])
+                print(f"{'':>8} | {'cycle':>5} | {r['graph_token_ms_cycle']:>9.2f} | whole steps, ms: {parts}")
     if args.layer_us:
         print(f"\nper layer, us (median of 7 runs of {args.layer_us} back-to-back replays of the layer's decode graph)")
         for r in results:
@@ -882,7 +943,7 @@ def main(argv=None) -> int:
            "copy_GBps": bw, "floor_GB_per_token": FLOOR_GB_PER_TOKEN, "floor_ms_at_copy_bw": floor_ms,
            "build_s": build_s, "results": results, "command": " ".join(sys.argv), "kernels": kernel_report,
            "overlap": not args.no_overlap, "defer": not args.no_defer, "fuse_pre": args.fuse_pre, "kv_fp8": args.kv_fp8,
-           "keys_fp4": args.keys_fp4}
+           "keys_fp4": args.keys_fp4, "share_experts": args.share_experts}
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
         print(f"wrote {args.json}", file=sys.stderr)

@@ -210,7 +210,6 @@ class Transformer(nn.Module):
         layers in contiguous runs of about equal count. A model built on the meta device is
         materialized (uninitialized) in place. (The loader places by bytes while streaming instead.)"""
         devices = [torch.device(d) for d in devices]
-        n, k = len(self.layers), len(devices)
 
         def move(mod: nn.Module, dev) -> None:
             for m in mod.modules():
@@ -219,8 +218,8 @@ class Transformer(nn.Module):
                         m._buffers[name] = torch.empty_like(b, device=dev) if b.is_meta else b.to(dev)
 
         move(self.embed, devices[0])
-        for i, layer in enumerate(self.layers):
-            move(layer, devices[min(i * k // n, k - 1)])
+        for layer, dev in zip(self.layers, self.split_layers(devices)):
+            move(layer, dev)
         for mod in (self.norm, self.head, *self.mtp):
             move(mod, devices[-1])
         for name in ("hc_head_fn", "hc_head_base", "hc_head_scale"):
@@ -230,6 +229,12 @@ class Transformer(nn.Module):
         self._head = None
         self._step_plans.clear()
         return self
+
+    def split_layers(self, devices: list) -> list[torch.device]:
+        """The device `place(devices)` puts each layer on: contiguous runs of about equal count, in order."""
+        devices = [torch.device(d) for d in devices]
+        n, k = len(self.layers), len(devices)
+        return [devices[min(i * k // n, k - 1)] for i in range(n)]
 
     def logits(self, x: torch.Tensor, fn, base, scale, norm: RMSNorm) -> torch.Tensor:
         # x: [B,S,hc,D] -> [B,S,vocab] fp32

@@ -128,3 +128,54 @@ def test_state_read_bytes_counts_the_kept_rows_where_a_window_closes():
         want += 4 * c.entries.shape[2] * c.entries.element_size() + c.kv.numel() * 4 + c.score.numel() * 4
     assert base == want
     assert bd.state_read_bytes(st, 15, spec_, kept=True) == base + st.x_ring.numel() * 2
+
+
+def test_cycle_positions_weight_each_kind_of_step_by_its_share_of_the_cycle():
+    # Flash (ratios 4 and 128 beside SWA layers): the step at ctx-1 closes every window, ctx-5 only the ratio-4 ones
+    assert bd.cycle_positions(1024, [0, 0, 4, 128, 4]) == [(1023, 1 / 128, 128), (1019, 1 / 4 - 1 / 128, 4),
+                                                           (1022, 3 / 4, 0)]
+    # every position class of a cycle, counted over one cycle ending at ctx, has the weight given to it
+    for ratios, ctx in (([4, 128], 131072), ([2, 8, 64], 1024), ([16], 32)):
+        got = bd.cycle_positions(ctx, ratios)
+        assert abs(sum(w for _, w, _ in got) - 1.0) < 1e-12
+        cycle = max(ratios)
+        for pos, w, closes in got:
+            assert max([r for r in ratios if (pos + 1) % r == 0], default=0) == closes
+            same = [q for q in range(ctx - cycle, ctx)
+                    if max([r for r in ratios if (q + 1) % r == 0], default=0) == closes]
+            assert len(same) == round(w * cycle)
+    # no cycle to weight: ctx not a multiple of the largest ratio, ratios that do not nest, none, or below 2
+    assert bd.cycle_positions(1000, [4, 128]) == []
+    assert bd.cycle_positions(64, [4, 128]) == []
+    assert bd.cycle_positions(1024, [4, 6]) == []
+    assert bd.cycle_positions(1024, [0, 0]) == []
+    assert bd.cycle_positions(1024, [1, 4]) == []
+
+
+def test_share_experts_gives_each_layer_the_first_stacks_on_its_device():
+    from dsv4.config import ModelConfig
+    from dsv4.model.layers import Numerics
+    from dsv4.model.transformer import Transformer
+    from dsv4.testing import randomize_, tiny_config
+
+    cfg = ModelConfig.from_dict(tiny_config([0, 4, 128, 4, 0], n_mtp=0))
+    with torch.device("meta"):
+        model = Transformer(cfg, Numerics("exact", torch.float32))
+    # the split place() makes: contiguous runs of about equal count
+    assert model.split_layers(["cpu", "meta"]) == [torch.device(d) for d in ("cpu",) * 3 + ("meta",) * 2]
+    own = [layer.ffn.experts for layer in model.layers]
+    assert bd.share_experts(model, ["cpu", "meta"]) == 3
+    assert [layer.ffn.experts for layer in model.layers] == [own[0]] * 3 + [own[3]] * 2
+    assert all(layer.ffn.experts is own[0] for layer in model.layers[:3])
+    assert model.layers[3].ffn.experts is own[3] and model.layers[4].ffn.experts is own[3]
+    # on one device: one set of stacks, materialised once by place and filled once by randomize_, the rest intact
+    with torch.device("meta"):
+        model = Transformer(cfg, Numerics("exact", torch.float32))
+    first = model.layers[0].ffn.experts
+    assert bd.share_experts(model, ["cpu"]) == 4
+    model.place(["cpu"])
+    randomize_(model, seed=0)
+    stacks = {layer.ffn.experts.w1.weight.data_ptr() for layer in model.layers}
+    assert stacks == {first.w1.weight.data_ptr()} and not first.w1.weight.is_meta
+    assert all(not b.is_meta for b in model.buffers())
+    assert len({layer.ffn.gate.weight.data_ptr() for layer in model.layers}) == len(model.layers)
