@@ -9,12 +9,13 @@ contents at position ctx-1, so the step reads a full context. Prints a table and
 not a test. Needs a CUDA GPU.
 
 --share-experts gives every layer on a device the routed-expert stacks of the first layer on it (one set of 256
-MXFP4 experts, ~3.3 GB, instead of one per layer), so that all 43 layers fit on one GPU (~12 GB of weights). A step
+MXFP4 experts, ~3.4 GB, instead of one per layer), so that all 43 layers fit on one GPU (~12 GB of weights). A step
 still reads each layer's k chosen experts from HBM: between two layers' expert reads more than 100 MB of other
 weights pass through the 50 MB L2, so no layer finds the previous layer's experts there, and the bytes counted per
 token are the same (its logits mean no more than any random model's; its time is that of the layers it runs).
-On an H200 the whole steps of a fourth context timed in one process came out ~1 ms slower outside the layers
-(their per-layer times unchanged), whichever context came fourth: time at most three contexts a run.
+On an H200, from a process's fourth graph-capturing DecodeRunner on (one per context with --no-eager; more with eager
+rows or --prefill not measured), the whole steps came out ~1 ms slower on the GPU, their per-layer times unchanged
+(docs/performance.md, sixty-first pass): time at most three contexts a run for the whole-step rows (a warning says so).
 
 With a context that is a multiple of 128, the step at ctx-1 closes every compressor's window (each emits an
 entry: its costliest step, run in the emitting schedule). The graph rows therefore also time each layer at ctx-2
@@ -704,6 +705,10 @@ def main(argv=None) -> int:
         kinds[s.attn] += 1
 
     results = []
+    if len(contexts) > 3:
+        print("warning: from a process's fourth graph-capturing decode runner on, whole steps have measured ~1 ms slower "
+              "on an H200 (per-layer rows unaffected): time at most three contexts a run for the token rows",
+              file=sys.stderr)
     for ctx in contexts:
         state = model.new_state(ctx, kv_fp8=args.kv_fp8, keys_fp4=args.keys_fp4)
         row = {"context": ctx}

@@ -23,7 +23,7 @@ from dsv4.ops.linear_cuda import PDL, _capability, _index
 
 MAX_K = 1024  # entries of one list
 MAX_N = 256 * 1024  # entries of one row (1M tokens of context at ratio 4): 8 CTAs x 32K keys in shared memory
-DECODE_MIN_N = 2048  # decode rows longer than this take the clusters (of 2 or more CTAs): topk_prefers
+DECODE_MIN_N = 2048  # decode rows of more entries than this (not equal) take the clusters of 2+ CTAs: topk_prefers
 MAX_ROWS = 65535  # rows (B * S): the grid's second dimension
 CTA_MAX_N = 32768  # rows the one-CTA kernel takes (16-bit scores): their keys and histogram in shared memory
 _MODES = {"auto": 0, "cluster": 1, "cta": 2}
@@ -47,13 +47,14 @@ def topk_applies(scores: torch.Tensor, n_visible: torch.Tensor, k: int) -> bool:
 
 def topk_prefers(scores: torch.Tensor) -> bool:
     """Where a CUDA kernel beats the Triton one (H200, docs/performance.md nineteenth, fifty-first and sixty-first
-    passes): decode rows (up to 8) of more than 2K entries (past 8K tokens of context) on the clusters, timed in the
-    CSA layer's decode graph (`tools/ab_trees.py`): a step between windows 118.5 against 125.4 us at 4K entries, 118.8
-    against 143 at 8K, while at 512-2K entries (one CTA, no cluster) the Triton kernel's layer is ~9 us faster; alone
-    (`bench_ops`) 8.2 against 9.9 us at 4K entries, 8.0 against 22.6 at 32K. Prefill chunks of 16-bit scores of 4K-32K
+    passes): decode rows (up to 8) of more than 2K entries (a state of more than 8K tokens: the row is the state's
+    capacity, max_len / 4, not the position) on the clusters, timed in the CSA layer's decode graph
+    (`tools/ab_trees.py`): a step between windows 118.5 against 125.4 us at 4K entries, 118.8 against 143 at 8K, while
+    at 512-2K entries (one CTA, no cluster) the Triton kernel's layer is ~9 us faster; alone (`bench_ops`) 8.2 against
+    9.9 us at 4K entries, 8.0 against 22.6 at 32K. Prefill chunks of 16-bit scores of 4K-32K
     entries (16K-128K context) on one CTA a row (128 rows: 10.2 against 15.4 us at 4K entries, 21.2 against 55.8 at
     32K); and every call on rows of more than 64K entries (256 against 420 us for 128 rows of 256K). Everything else
-    stays on Triton, whose fixed cost is lower (2.4 us for a 1K-context row, 7.9 for the one-CTA cluster)."""
+    stays on Triton, whose fixed cost is lower (2.4 us for a 1K-context row, against 7.9 for the one-CTA cluster)."""
     B, S, N = scores.shape
     if N > 65536:
         return True

@@ -1,4 +1,5 @@
-"""tools/bench_decode.py's launch report (--launches): the occupancy arithmetic, the trace's kernel events, the rows."""
+"""tools/bench_decode.py: the launch report (--launches: the occupancy arithmetic, the trace's kernel events, the rows), the
+state bytes a step reads, the cycle's step positions and the routed experts shared across layers (--share-experts)."""
 
 import importlib.util
 from pathlib import Path
@@ -139,7 +140,9 @@ def test_cycle_positions_weight_each_kind_of_step_by_its_share_of_the_cycle():
         got = bd.cycle_positions(ctx, ratios)
         assert abs(sum(w for _, w, _ in got) - 1.0) < 1e-12
         cycle = max(ratios)
+        assert len({pos for pos, _, _ in got}) == len(got)  # one position a kind
         for pos, w, closes in got:
+            assert ctx - cycle <= pos < ctx  # inside the cycle that ends at ctx (a step past it is refused)
             assert max([r for r in ratios if (pos + 1) % r == 0], default=0) == closes
             same = [q for q in range(ctx - cycle, ctx)
                     if max([r for r in ratios if (q + 1) % r == 0], default=0) == closes]
