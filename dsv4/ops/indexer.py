@@ -67,5 +67,5 @@ def register_ops(register) -> None:
              doc="Lightning Indexer scores over compressed keys")
     register("topk_select", topk_select_ref, make_fast_topk(fast_topk), interpretable=True,
              doc="top-k entry indices per query, ties to the lower index",
-             cuda="decode rows of more than 2K entries, up to 256K (a cluster per row), prefill rows of 4K-32K bf16 / f16 entries (a "
-                  "CTA per row) and of 64K-256K (clusters), k <= 1024: one launch")
+             cuda="decode rows of more than 2K entries, up to 256K (a cluster per row), prefill rows of 4K-32K bf16 / "
+                  "f16 entries (a CTA per row) and of 64K-256K (clusters), k <= 1024: one launch")

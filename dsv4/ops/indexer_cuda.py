@@ -51,10 +51,10 @@ def topk_prefers(scores: torch.Tensor) -> bool:
     capacity, max_len / 4, not the position) on the clusters, timed in the CSA layer's decode graph
     (`tools/ab_trees.py`): a step between windows 118.5 against 125.4 us at 4K entries, 118.8 against 143 at 8K, while
     at 512-2K entries (one CTA, no cluster) the Triton kernel's layer is ~9 us faster; alone (`bench_ops`) 8.2 against
-    9.9 us at 4K entries, 8.0 against 22.6 at 32K. Prefill chunks of 16-bit scores of 4K-32K
-    entries (16K-128K context) on one CTA a row (128 rows: 10.2 against 15.4 us at 4K entries, 21.2 against 55.8 at
-    32K); and every call on rows of more than 64K entries (256 against 420 us for 128 rows of 256K). Everything else
-    stays on Triton, whose fixed cost is lower (2.4 us for a 1K-context row, against 7.9 for the one-CTA cluster)."""
+    9.9 us at 4K entries, 8.0 against 22.6 at 32K. Prefill chunks of 16-bit scores of 4K-32K entries (16K-128K context)
+    on one CTA a row (128 rows: 10.2 against 15.4 us at 4K entries, 21.2 against 55.8 at 32K); and every call on rows
+    of more than 64K entries (256 against 420 us for 128 rows of 256K). Everything else stays on Triton, whose fixed
+    cost is lower (2.4 us for a 1K-context row, against 7.9 for the one-CTA cluster)."""
     B, S, N = scores.shape
     if N > 65536:
         return True
