@@ -706,8 +706,8 @@ def main(argv=None) -> int:
 
     results = []
     if len(contexts) > 3:
-        print("warning: from a process's fourth graph-capturing decode runner on, whole steps have measured ~1 ms slower "
-              "on an H200 (per-layer rows unaffected): time at most three contexts a run for the token rows",
+        print("warning: from a process's fourth graph-capturing decode runner on, whole steps have measured ~1 ms "
+              "slower on an H200 (per-layer rows unaffected): time at most three contexts a run for the token rows",
               file=sys.stderr)
     for ctx in contexts:
         state = model.new_state(ctx, kv_fp8=args.kv_fp8, keys_fp4=args.keys_fp4)

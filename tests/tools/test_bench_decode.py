@@ -1,5 +1,6 @@
-"""tools/bench_decode.py: the launch report (--launches: the occupancy arithmetic, the trace's kernel events, the rows), the
-state bytes a step reads, the cycle's step positions and the routed experts shared across layers (--share-experts)."""
+"""tools/bench_decode.py: the launch report (--launches: the occupancy arithmetic, the trace's kernel events, the
+rows), the state bytes a step reads, the cycle's step positions and the routed experts shared across layers
+(--share-experts)."""
 
 import importlib.util
 from pathlib import Path
