@@ -194,8 +194,7 @@ def wo_a(o2: torch.Tensor, w8: PreparedLinear, groups: int, out: torch.Tensor,
     mod.gemv(o2, w8.weight, w8.scale, out, splits, wr, nstep, nchunk, False, groups, PDL, None, 0.0)
 
 
-# below: the GEMV (1-8 tokens) or the Triton kernels, as fast or faster there (H200, M = 16 / 32 / 64: wq_b 13.1 /
-# 17.1 / 17.8 us Triton vs 18.2 / 18.4 / 17.4 CUDA; wo_b 26.5 / 20.0 / 20.9 vs 23.2 / 21.8 / 22.4; docs/performance.md)
+# below: the GEMV (1-8 tokens) or the Triton kernels, for a shape outside GEMM_TUNED (its plan can set a lower bound)
 GEMM_MIN_M = 96
 
 
@@ -204,6 +203,7 @@ class GemmPlan(NamedTuple):
 
     splits: int
     bn: int = 128
+    min_m: int = GEMM_MIN_M  # fewer rows run the Triton kernel (or the GEMV, up to 8)
 
 
 # (N, K) -> plan, for the shapes where the CUDA GEMM beat the Triton kernel at M = 128 (H200, act_quant + GEMM, every
@@ -213,12 +213,21 @@ class GemmPlan(NamedTuple):
 # do) and overlap each block's MMAs with the previous block's promotion; where the 128-wide tiles alone fill the GPU
 # (wq_b) they stay faster. Any other shape runs Triton unless its tiles alone fill half the SMs (the regime of wq_b)
 GEMM_TUNED: dict[tuple[int, int], GemmPlan] = {
-    (32768, 1024): GemmPlan(1),  # wq_b: 16.3-16.9 us (bn 64: 19.4; Triton 22.0)
-    (40960, 1024): GemmPlan(1),  # wq_b || indexer wq_b (CSA layers): 22.1 us (bn 64: 23.1; Triton 29.7)
-    (4096, 8192): GemmPlan(2, 64),  # wo_b: 17.7-18.3 us, clusters of 2 (128 wide, S = 4, workspace: 20.0-20.4)
-    (1536, 4096): GemmPlan(4, 64),  # wq_a || wkv: 9.5 us, clusters of 4 (128 wide, S = 8: 11.0)
-    (2048, 4096): GemmPlan(4),  # the shared expert's w1 / w3 shape: 11.2 us, clusters of 4 (bn 64, S = 2: 11.1)
-    (4096, 2048): GemmPlan(1, 64),  # the shared expert's w2 shape: 8.8 us (128 wide: 11.3; Triton 10.8)
+    # wq_b: 16.3-16.9 us (bn 64: 19.4; Triton 22.0); from 32 rows (M = 16 / 32 / 64: 16.7-16.9 / 16.1-16.4 / 15.8-15.9
+    # us, Triton 12.4-12.7 / 17.1-17.5 / 17.7-18.1; sixty-second pass)
+    (32768, 1024): GemmPlan(1, min_m=32),
+    # wq_b || indexer wq_b (CSA layers): 22.1 us (bn 64: 23.1; Triton 29.7); Triton up to 64 rows (19.6-20.9 us against
+    # 20.7-22.2)
+    (40960, 1024): GemmPlan(1),
+    (4096, 8192): GemmPlan(2, 64),  # wo_b: 17.7-18.3 us, clusters of 2 (128 wide, S = 4: 20.0-20.4); Triton to 64 rows
+    # wq_a || wkv: 9.5 us, clusters of 4 (128 wide, S = 8: 11.0); from 9 rows (M = 16-64: 9.1-9.5 us, Triton 12.6-14.0)
+    (1536, 4096): GemmPlan(4, 64, min_m=9),
+    # the shared expert's w1 / w3 shape: 11.2 us, clusters of 4 (bn 64, S = 2: 11.1); from 9 rows (M = 16-64:
+    # 10.6-11.4 us, Triton 12.7-14.1)
+    (2048, 4096): GemmPlan(4, min_m=9),
+    # the shared expert's w2 shape: 8.8 us (128 wide: 11.3; Triton 10.8); from 9 rows (M = 16-64: 8.3-9.1, Triton
+    # 10.4-10.9)
+    (4096, 2048): GemmPlan(1, 64, min_m=9),
     (8192, 1024): GemmPlan(1, 64),  # indexer wq_b alone: 8.0 us (128 wide: 8.6; Triton 9.7)
 }
 
@@ -248,11 +257,12 @@ def gemm_applies(x2: torch.Tensor, w: PreparedLinear, act_quant: bool, out_dtype
 
 def gemm_choice(x2: torch.Tensor, w: PreparedLinear, act_quant: bool, out_dtype: torch.dtype) -> GemmPlan | None:
     """The plan the fast `linear` runs this call with on the CUDA GEMM, or None where another kernel is faster
-    (fewer than GEMM_MIN_M rows, a shape outside GEMM_TUNED whose tiles do not fill half the SMs) or it cannot run."""
+    (fewer rows than its GEMM_TUNED plan's min_m, or GEMM_MIN_M outside the table; a shape outside GEMM_TUNED whose
+    tiles do not fill half the SMs) or it cannot run."""
     M = x2.shape[0]
-    if M < GEMM_MIN_M or not gemm_applies(x2, w, act_quant, out_dtype):
-        return None
     plan = GEMM_TUNED.get((w.n, w.k))
+    if M < (plan.min_m if plan is not None else GEMM_MIN_M) or not gemm_applies(x2, w, act_quant, out_dtype):
+        return None
     if plan is not None:
         # measured at M = 128; more rows give more tiles: 128-wide ones once the 64-wide ones alone fill the SMs, and
         # fewer splits while neither their clusters nor their units fit the GPU at once

@@ -161,10 +161,10 @@ def test_fast_linear_routes_decode_here(monkeypatch):
         monkeypatch.setattr(linear_cuda, name,
                             lambda *a, real=real, name=name, **k: (calls.append((name, a[0].shape[0])), real(*a, **k)))
     fast = ops.OPS["linear"].fast
-    w = _weight("fp8", 1536, 4096, seed=9)  # wq_a || wkv: Triton at 9-95 tokens, the CUDA GEMM (GEMM_TUNED) from 96
-    wq_b = _weight("fp8", 32768, 1024, seed=10)  # the CUDA GEMM from GEMM_MIN_M tokens
-    assert linear_cuda.GEMM_MIN_M == 96
-    for ww, ms in ((w, (1, 8, 9, 128)), (wq_b, (16, 95, 96, 128))):
+    w = _weight("fp8", 1536, 4096, seed=9)  # wq_a || wkv: the CUDA GEMM from 9 tokens (its GEMM_TUNED min_m)
+    wq_b = _weight("fp8", 32768, 1024, seed=10)  # Triton up to 31 tokens, the CUDA GEMM from 32
+    assert linear_cuda.GEMM_TUNED[(1536, 4096)].min_m == 9 and linear_cuda.GEMM_TUNED[(32768, 1024)].min_m == 32
+    for ww, ms in ((w, (1, 8, 9, 128)), (wq_b, (16, 31, 32, 128))):
         for m in ms:
             x = _x(m, ww.k, torch.bfloat16, seed=m)
             assert_close_rel(fast(x.view(m, 1, ww.k), ww, True, torch.bfloat16).view(m, -1),
@@ -172,9 +172,18 @@ def test_fast_linear_routes_decode_here(monkeypatch):
     # fp32 out: the MMA's block accumulation is outside op_fp32_out, so Triton's exact path runs it
     x = _x(128, 1024, torch.bfloat16, seed=3)
     assert_close_rel(fast(x, wq_b, True, torch.float32), linear_ref(x, wq_b, True, torch.float32), "op_fp32_out")
-    assert calls == [("gemv", 1), ("gemv", 8), ("gemm", 128), ("gemm", 96), ("gemm", 128)]
-    assert linear_cuda.gemm_choice(_x(128, 8192, torch.bfloat16, 4), _weight("fp8", 4096, 8192, seed=11), True,
-                                   torch.bfloat16) == linear_cuda.GEMM_TUNED[(4096, 8192)]  # wo_b: as tuned
+    assert calls == [("gemv", 1), ("gemv", 8), ("gemm", 9), ("gemm", 128), ("gemm", 32), ("gemm", 128)]
+    wo_b = _weight("fp8", 4096, 8192, seed=11)  # wo_b: as tuned from GEMM_MIN_M rows, Triton below
+    assert linear_cuda.gemm_choice(_x(128, 8192, torch.bfloat16, 4), wo_b, True, torch.bfloat16) == \
+        linear_cuda.GEMM_TUNED[(4096, 8192)]
+    assert linear_cuda.gemm_choice(_x(linear_cuda.GEMM_MIN_M - 1, 8192, torch.bfloat16, 4), wo_b, True,
+                                   torch.bfloat16) is None
+    # a shape outside the table: GEMM_MIN_M rows at least, and tiles that fill half the SMs
+    other = _weight("fp8", 16384, 1024, seed=12)
+    assert linear_cuda.gemm_choice(_x(linear_cuda.GEMM_MIN_M - 1, 1024, torch.bfloat16, 5), other, True,
+                                   torch.bfloat16) is None
+    assert linear_cuda.gemm_choice(_x(128, 1024, torch.bfloat16, 5), other, True, torch.bfloat16) == \
+        linear_cuda.GemmPlan(1)
 
 
 # ---- the grouped wo_a on its FP8 weight (bf16 x, no activation quantization) ----
