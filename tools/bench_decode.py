@@ -147,6 +147,56 @@ def share_experts(model, devices) -> int:
     return shared
 
 
+def balance_routing(model, tokens: int = 128, steps: int = 200) -> list[tuple[int, int]]:
+    """Set every score-routed gate's bias so that a prompt chunk spreads over the experts as a trained layer's does
+    (DeepSeek balances its experts' loads through this bias, which only the selection reads). In a random model the
+    hidden states of a chunk share one large component, which random gate weights turn into the same few experts for
+    every token: a 128-token chunk hit ~35-90 of the 256 experts (the hash-routed layers ~245), so its prefill read a
+    quarter of a real layer's expert bytes. One random chunk runs eagerly through the layers in order; at each
+    score-routed gate the bias is set from that chunk's scores (each expert's mean score removed, then `steps` sign
+    steps on the loads, shrinking) before the chunk goes on, so each layer is balanced on the inputs it then sees.
+    -> [(distinct experts the chunk hits, its busiest expert's rows)] per score-routed layer, after."""
+    import torch
+
+    from dsv4.model.moe import Gate
+
+    gates = [m for layer in model.layers for m in layer.modules() if isinstance(m, Gate) and not m.hash]
+    if not gates:
+        return []
+    out = []
+
+    def balanced(gate):
+        def forward(x, ids):
+            logits = x.float() @ gate.weight.float().T
+            scores = {"softmax": lambda v: v.softmax(-1), "sigmoid": torch.sigmoid}.get(
+                gate.func, lambda v: torch.nn.functional.softplus(v).sqrt())(logits)
+            bias = -scores.mean(0)
+            mean = scores.shape[0] * gate.topk / scores.shape[1]
+            u = float(scores.std()) * 0.1
+            for i in range(steps):
+                load = torch.bincount((scores + bias).topk(gate.topk, -1).indices.flatten(), minlength=scores.shape[1])
+                bias -= u * (1 - i / steps) * torch.sign(load - mean)
+            gate.bias.copy_(bias.to(gate.bias.dtype))
+            idx = (scores + gate.bias.float()).topk(gate.topk, -1).indices
+            out.append((int(idx.unique().numel()), int(torch.bincount(idx.flatten()).max())))
+            return Gate.forward(gate, x, ids)
+        return forward
+
+    g = torch.Generator(device="cpu").manual_seed(1)
+    ids = torch.randint(0, model.cfg.vocab_size, (1, tokens), generator=g).to(model.embed.weight.device)
+    model.prepare()
+    state = model.new_state(tokens)
+    try:
+        for gate in gates:
+            gate.forward = balanced(gate)
+        with torch.no_grad():
+            model.forward_streams(ids, state)
+    finally:
+        for gate in gates:
+            del gate.forward
+    return out
+
+
 def timed_wall(fn, n: int, devices) -> float:
     """Mean milliseconds of fn() over n calls, wall clock between full syncs of every device (a
     decode step spread over GPUs ends on another device than it starts on)."""
@@ -687,11 +737,16 @@ def main(argv=None) -> int:
     sharing = share_experts(model, devices) if args.share_experts else 0
     model.place(devices)
     randomize_(model, seed=0)
+    balance = balance_routing(model)
     torch.cuda.synchronize()
     build_s = time.perf_counter() - t0
     print(f"built {args.layers} Flash layers with random FP8/MXFP4 weights on {','.join(devices)} "
           f"in {build_s:.0f}s: {module_bytes(model) / 1e9:.1f} GB of weights"
           + (f" ({sharing} layers on another layer's routed experts)" if sharing else ""), file=sys.stderr)
+    if balance:
+        print(f"score-routed gates balanced (balance_routing): a 128-token chunk hits {min(u for u, _ in balance)}-"
+              f"{max(u for u, _ in balance)} of {cfg.n_routed_experts} experts, the busiest "
+              f"{max(m for _, m in balance)} rows", file=sys.stderr)
 
     model.fuse_pre = args.fuse_pre
     if model.fuse_pre:

@@ -183,3 +183,40 @@ def test_share_experts_gives_each_layer_the_first_stacks_on_its_device():
     assert stacks == {first.w1.weight.data_ptr()} and not first.w1.weight.is_meta
     assert all(not b.is_meta for b in model.buffers())
     assert len({layer.ffn.gate.weight.data_ptr() for layer in model.layers}) == len(model.layers)
+
+
+def test_balance_routing_spreads_a_random_models_chunk_over_the_experts():
+    from dsv4.config import ModelConfig
+    from dsv4.model.layers import Numerics
+    from dsv4.model.moe import Gate
+    from dsv4.model.transformer import Transformer
+    from dsv4.testing import randomize_, tiny_config
+
+    cfg = ModelConfig.from_dict(tiny_config([0, 4, 128, 4, 0], n_mtp=0, experts=32))
+    model = Transformer(cfg, Numerics("exact", torch.float32))
+    randomize_(model, seed=0)
+    gates = [layer.ffn.gate for layer in model.layers]
+    assert [g.hash for g in gates] == [True, False, False, False, False]
+    tid2eid = gates[0].tid2eid.clone()
+
+    def chunk_hits(seed):  # (distinct experts, busiest expert's rows) per layer for a fresh 64-token chunk
+        hits = []
+        for g in gates:
+            g.forward = lambda x, ids, g=g: hits.append(Gate.forward(g, x, ids)) or hits[-1]
+        try:
+            ids = torch.randint(0, cfg.vocab_size, (1, 64), generator=torch.Generator().manual_seed(seed))
+            model.forward_streams(ids, model.new_state(64))
+        finally:
+            for g in gates:
+                del g.forward
+        return [(int(e.unique().numel()), int(torch.bincount(e.flatten()).max())) for _, e in hits]
+
+    before = chunk_hits(5)
+    # random gate weights send the chunk's tokens to a few experts (the hash-routed layer: nearly all 32)
+    assert before[0][0] >= 28 and all(u <= 16 and m >= 30 for u, m in before[1:])
+    out = bd.balance_routing(model, tokens=64)
+    assert len(out) == 4 and all(u >= 30 and m <= 6 for u, m in out)  # its own chunk: ~4 rows an expert (64 x 2 / 32)
+    assert all("forward" not in vars(g) for g in gates) and torch.equal(gates[0].tid2eid, tid2eid)
+    after = chunk_hits(5)
+    assert after[0] == before[0]  # the hash-routed layer sees the same tokens and inputs
+    assert all(u >= 24 and m <= 20 for u, m in after[1:])
