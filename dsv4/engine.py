@@ -304,18 +304,37 @@ class Engine:
                 self.prefill = PrefillRunner(model, self.state, PREFILL_CHUNK)
 
     # prefill chunk lengths that select every kernel variant a prompt can need (tiles by power-of-two token
-    # counts, 16-divisible or not): compiled here, at load, instead of during the first request
-    WARM_UP_CHUNKS = (2, 3, 8, 16, 17, 64, 65, 128)
+    # counts, 16-divisible or not: 9 is the 9-15 class of the 16-row tiles, 80 the 16-divisible one of 65-95; 5
+    # leaves one compressed entry): compiled here, at load, instead of during the first request
+    WARM_UP_CHUNKS = (2, 3, 5, 8, 9, 16, 17, 64, 65, 80, 128)
+    # and (offset, length) at each of warm_up_positions(): the indexer's kernels take tiles by the power of two of the
+    # entries a chunk sees and specialize on whether that count (and the rows' stride) is 16-divisible; a full chunk,
+    # a tail of 5 and a 16-token chunk 4 positions on meet each class, a 1-token tail the kernels of a one-token
+    # chunk (kernels compiled during requests took up to ~5 s of their time to first token; sixty-second pass)
+    WARM_UP_TAILS = ((0, PREFILL_CHUNK), (0, 5), (0, 1), (4, 16))
+
+    def warm_up_positions(self) -> list[int]:
+        """The positions where _warm_up runs the WARM_UP_TAILS: the powers of two from the chunk length on, while
+        a full chunk fits in the context."""
+        out, p = [], PREFILL_CHUNK
+        while p + PREFILL_CHUNK <= self.max_context:
+            out.append(p)
+            p *= 2
+        return out
 
     def _warm_up(self) -> None:
-        """Run one prefill chunk of each WARM_UP_CHUNKS length (the graphs' capture already ran the decode
-        step), so that no kernel is compiled on the first request; the state is reset afterwards."""
+        """Run one prefill chunk of each WARM_UP_CHUNKS length at position 0 and the WARM_UP_TAILS at each of
+        warm_up_positions() (the graphs' capture already ran the decode step), so that no kernel is compiled on a
+        request; the state is reset afterwards."""
+        runs = [(0, n) for n in self.WARM_UP_CHUNKS if n < self.max_context]
+        runs += [(p + o, n) for p in self.warm_up_positions() for o, n in self.WARM_UP_TAILS
+                 if p + o + n <= self.max_context]
         with torch.no_grad():
-            for n in self.WARM_UP_CHUNKS:
-                if n < self.max_context:
-                    ids = torch.zeros(1, n, dtype=torch.long, device=self.input_device)
-                    self.model(ids, self.state, last_only=True)
-                    self.state.reset()
+            for p, n in runs:
+                ids = torch.zeros(1, n, dtype=torch.long, device=self.input_device)
+                self.state.pos = p
+                self.model(ids, self.state, last_only=True)
+                self.state.reset()
         self.state_ids = []
 
     @classmethod

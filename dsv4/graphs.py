@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from dsv4 import ops
 from dsv4.model.layers import StepPlan
 from dsv4.model.transformer import Transformer
 from dsv4.state import ModelState
@@ -172,7 +173,9 @@ class DecodeRunner:
                     self.x_head = prev
                 else:
                     self.x_in[key] = prev
-            with torch.cuda.device(dev):
+            # the pieces replay their captured shapes: kernels may specialize on them (ops.fixed_shapes), and do so in
+            # the warm-up, so that nothing compiles during the capture
+            with torch.cuda.device(dev), ops.fixed_shapes():
                 s = torch.cuda.Stream(dev)
                 s.wait_stream(torch.cuda.current_stream(dev))
                 with torch.cuda.stream(s), torch.no_grad():

@@ -226,3 +226,30 @@ def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
             raise ValueError(f"randomize_: no rule for {name}")
         buf.copy_(val.to(buf.dtype))
     return model
+
+
+def triton_kernels_compiled() -> dict[str, int]:
+    """Kernels Triton has compiled in this process for the JIT functions of dsv4's modules (both of a JitTwins),
+    per module.name[.variant]: their in-memory caches' sizes. A count that grows between two calls means a kernel
+    was compiled in between."""
+    import sys
+
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return {}
+
+    def size(f) -> int:
+        caches = getattr(f, "device_caches", {}).values()
+        return sum(len(c[0]) for c in caches if isinstance(c, tuple) and isinstance(c[0], dict))
+
+    out: dict[str, int] = {}
+    for mod_name, mod in list(sys.modules.items()):
+        if not mod_name.startswith("dsv4."):
+            continue
+        for name, v in list(vars(mod).items()):
+            if isinstance(v, JITFunction):
+                out[f"{mod_name}.{name}"] = size(v)
+            elif isinstance(getattr(v, "fixed", None), JITFunction):  # triton_util.JitTwins
+                out[f"{mod_name}.{name}.fixed"], out[f"{mod_name}.{name}.any"] = size(v.fixed), size(v.any)
+    return out

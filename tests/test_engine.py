@@ -328,6 +328,32 @@ def test_prefill_graphs_generate_what_eager_prefill_generates(tokenizer):
         ops.configure("ref", "cpu")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_requests_compile_no_kernel_after_load(tokenizer):
+    # the warm-up at load (Engine._warm_up: chunk lengths at position 0, a full chunk and a tail at each power of two)
+    # and the unspecialized eager variants of the indexer's kernels (triton_util.JitTwins) leave nothing to compile:
+    # prompts of any length, ending anywhere in the context, start at once
+    from dsv4 import ops
+    from dsv4.testing import triton_kernels_compiled
+
+    ops.configure("fast", "cuda")
+    try:
+        raw = tiny_config([4, 0, 16], n_mtp=0, vocab=VOCAB, head_dim=128, rope_dim=64, index_dim=64, index_topk=4,
+                          max_pos=2048)
+        model = random_model(raw, Numerics("reference", torch.bfloat16), seed=3).place(["cuda:0"])
+        eng = Engine(model, tokenizer, max_context=2000)
+        assert eng.warm_up_positions() == [128, 256, 512, 1024]
+        before = triton_kernels_compiled()
+        assert sum(before.values()) > 0  # the load compiled them
+        for n in (777, 130, 129, 258, 1000, 3, 1411, 1900, 44):
+            eng.generate_ids(prompt_ids(n, n), SamplingParams(temperature=0, max_new_tokens=2))
+        after = triton_kernels_compiled()
+        assert {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)} == {}
+    finally:
+        ops.configure("ref", "cpu")
+
+
 # ---- stop strings, log-probabilities, Ctrl-C, raw prompts, prefix reuse ------------------------------
 
 

@@ -10,6 +10,7 @@ listed as such, never silently. `set_hook()` lets tools/ab_compare.py observe ev
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,6 +46,25 @@ class Op:
 OPS: dict[str, Op] = {}
 _hook: Callable | None = None  # (op, args, kwargs) -> result; set by ab_compare
 _SIDE_STREAMS: dict = {}  # device -> its side stream
+_FIXED = [0]  # depth of fixed_shapes() contexts
+
+
+@contextlib.contextmanager
+def fixed_shapes():
+    """Calls made inside are replayed with the same shapes and strides (a CUDA graph's warm-up and capture): a kernel
+    may compile a variant specialized on their integer values. Outside, shapes follow the position (prefill chunks),
+    and the kernels whose integer arguments change with it take their unspecialized variant
+    (`triton_util.JitTwins`), so that a new value compiles nothing mid-request."""
+    _FIXED[0] += 1
+    try:
+        yield
+    finally:
+        _FIXED[0] -= 1
+
+
+def shapes_fixed() -> bool:
+    """Whether the calls made now are inside fixed_shapes()."""
+    return _FIXED[0] > 0
 
 
 def side_stream(device):

@@ -31,9 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4 import ops
 from dsv4.ops.indexer import indexer_scores_ref
 from dsv4.ops.kv_pack import KEY_BLOCK, is_packed, key_row_bytes, packed_key_dim
-from dsv4.ops.triton_util import PDL, gdc_launch_dependents, gdc_wait, packed_key_tile, pdl_launch
+from dsv4.ops.triton_util import PDL, JitTwins, gdc_launch_dependents, gdc_wait, packed_key_tile, pdl_launch
 
 _KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
@@ -63,7 +64,6 @@ def _round_kind(x, KIND: tl.constexpr, HW: tl.constexpr):
         return x
 
 
-@triton.jit
 def _scores_kernel(q_ptr, w_ptr, k_ptr, o_ptr, S, H, N, d,
                    sq_b, sq_s, sq_h, sw_b, sw_s, sk_b, sk_n, so_b, so_s, w_scale,
                    HP: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr, STAGES: tl.constexpr,
@@ -115,6 +115,13 @@ def _scores_kernel(q_ptr, w_ptr, k_ptr, o_ptr, S, H, N, d,
         tl.store(o_ptr + b * so_b + s * so_s + offs_n, res.to(o_ptr.dtype.element_ty), mask=n_ok & (offs_n * 0 + s < S))
 
 
+
+# a prefill chunk's length S (and the strides that follow it alone) change with the chunk: not specialized outside the
+# decode graphs (triton_util.JitTwins); N and the output's strides stay specialized (masked key tiles and score rows
+# of a 16-divisible N load and store in vectors: not specializing them cost 2x for a 128-query chunk at 4K entries),
+# and the engine's warm-up meets each class of them
+_scores = JitTwins(_scores_kernel, ["S", "sq_b", "sw_b"])
+
 # entries per program (BN: `bn_small` up to `large_n` entries, else `bn_large`), queries per program (one K tile
 # serves SB queries), software-pipeline stages of the query loop, warps. Measured on an H200 (docs/performance.md,
 # sixteenth pass): 64 entries up to 8192 (decode at 4096: 3.0 us against 3.4 with 128; a 128-query prefill there
@@ -163,12 +170,14 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, low_precis
     if q.is_cuda:
         cfg = SCORES_CFG
         BN = cfg["bn_large"] if N > cfg["large_n"] else cfg["bn_small"]
-        SB, stages = min(cfg["sb_packed" if packed else "sb"], S), cfg["stages"]
+        SB, stages = cfg["sb_packed" if packed else "sb"], cfg["stages"]
+        if ops.shapes_fixed():  # a graph's few queries (decode): blocks of that many; eager calls (a prefill chunk
+            SB = min(SB, S)  # of any length) mask the block's queries past S, so one compile serves every length
         opts = {"num_warps": cfg["warps"], **pdl_launch(pdl)}
     else:
         BN, SB, stages, opts = 64, min(SCORES_CFG["sb"], S), 1, {}  # interpreted: the same query blocks
     grid = (triton.cdiv(N, BN), triton.cdiv(S, SB), B)
-    _scores_kernel[grid](q, w, k, o, S, H, N, d, q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1),
+    _scores[grid](q, w, k, o, S, H, N, d, q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1),
                          k.stride(0), k.stride(1), o.stride(0), o.stride(1),
                          float(w_scale), HP=max(16, _pow2_ge(H)), DP=max(16, _pow2_ge(d)), BN=BN, SB=SB,
                          STAGES=stages, LOW=bool(low_precision), KIND=kind, OPT=opt, HW=q.is_cuda, PACKED=packed,
@@ -205,7 +214,6 @@ def _select(u, valid, K, WB: tl.constexpr):
     return valid & ((u > prefix) | ((eq == 1) & (rank < krem)))
 
 
-@triton.jit
 def _topk_kernel(x_ptr, nvis_ptr, src_ptr, dst_ptr, o_ptr, S, N, K, P_IN, sx_b, sx_s, so_b, so_s,
                  T: tl.constexpr, KP: tl.constexpr, WB: tl.constexpr, FROM_SCORES: tl.constexpr,
                  FINAL: tl.constexpr, ALL: tl.constexpr = False, PDL: tl.constexpr = False):
@@ -265,6 +273,12 @@ def _topk_kernel(x_ptr, nvis_ptr, src_ptr, dst_ptr, o_ptr, S, N, K, P_IN, sx_b, 
         tl.store(dst + jj, tl.full([KP], PAD, tl.int64), mask=jj >= n_take)
 
 
+
+# a prefill chunk's length S, the top-k's k and the merge rounds' inputs change with the chunk: not specialized outside
+# the decode graphs (triton_util.JitTwins); N and the strides stay specialized (16-divisible rows load in vectors: not
+# specializing them cost 1.4x at 32K entries), and the engine's warm-up meets both classes of N
+_topk = JitTwins(_topk_kernel, ["S", "K", "P_IN"])
+
 # keys per program: a chunk of a row (TOPK_TILE) and the candidates one merge program takes (TOPK_MERGE)
 TOPK_TILE = {"cuda": 4096, "cpu": 1024}
 TOPK_MERGE = {"cuda": 4096, "cpu": 1024}
@@ -297,18 +311,18 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor, k: int) -> torch.
     sort_scr = torch.empty(rows * KP, dtype=torch.int64, device=dev)
     strides = (scores.stride(0), scores.stride(1), o.stride(0), o.stride(1))
     if P == 1:
-        _topk_kernel[(rows, 1)](scores, n_visible, sort_scr, sort_scr, o, S, N, k, 1, *strides,
+        _topk[(rows, 1)](scores, n_visible, sort_scr, sort_scr, o, S, N, k, 1, *strides,
                                 T=T0, KP=KP, WB=wb, FROM_SCORES=True, FINAL=True, ALL=k == N, **opts)
         return o
     cand = torch.empty(rows * P * KP, dtype=torch.int64, device=dev)
-    _topk_kernel[(rows, P)](scores, n_visible, cand, cand, o, S, N, k, P, *strides,
+    _topk[(rows, P)](scores, n_visible, cand, cand, o, S, N, k, P, *strides,
                             T=T0, KP=KP, WB=wb, FROM_SCORES=True, FINAL=False, **opts)
     G = max(2, TOPK_MERGE["cuda" if scores.is_cuda else "cpu"] // KP)  # chunks' candidates merged per program
     while True:
         Pn = triton.cdiv(P, G)
         final = Pn == 1
         dst = sort_scr if final else torch.empty(rows * Pn * KP, dtype=torch.int64, device=dev)
-        _topk_kernel[(rows, Pn)](scores, n_visible, cand, dst, o, S, N, k, P, *strides,
+        _topk[(rows, Pn)](scores, n_visible, cand, dst, o, S, N, k, P, *strides,
                                  T=G * KP, KP=KP, WB=wb, FROM_SCORES=False, FINAL=final, **opts)
         if final:
             return o

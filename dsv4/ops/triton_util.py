@@ -9,6 +9,7 @@ the GPU's cvt.rn rounds; written out, both give the same bits. `cast(v, dtype)`:
 `e4m3_bits(q)`: a value on the e4m3 grid -> its byte; `packed_kv_chunk(...)`: a column chunk of
 packed FP8 K = V rows (dsv4/ops/kv_pack.py) as their exact values; `store_packed_kv(...)`: one row stored in that form;
 `e2m1_f16(n)` / `packed_key_tile(...)`: FP4 codes as exact values, a tile of packed FP4 indexer keys.
+`JitTwins`: a kernel specialized on its integer arguments for fixed shapes (graphs) and not for varying ones.
 `PDL`, `gdc_launch_dependents`, `gdc_wait`, `pdl_launch(on)`: programmatic dependent launch from Triton (where the
 installed Triton has it; DSV4_PDL=0 turns it off, as for the CUDA kernels): a kernel compiled with PDL=True starts
 early, lets its own dependents start, and waits for the kernel before it before reading anything.
@@ -33,6 +34,25 @@ except ImportError:  # an older Triton: plain launches
 
     def gdc_wait():
         pass
+
+
+class JitTwins:
+    """One Triton kernel compiled two ways. Triton compiles a kernel per combination of its integer arguments' value
+    classes (1, divisible by 16, other). Where those follow the position (a prefill chunk's entry count, length and
+    strides), a request meeting a new combination compiled a kernel in the middle of its prefill (the indexer's
+    top-k and scores: ~1 s each, up to ~5 s of a request's time to first token; sixty-second pass). `fixed` is the
+    specialized kernel, for calls inside `dsv4.ops.fixed_shapes()` (the decode graphs, whose shapes are fixed at
+    capture); `any` does not specialize on the integer arguments named in `varying`, so one compile per constexpr
+    configuration serves every value, and the engine's warm-up (Engine._warm_up) meets each configuration at load."""
+
+    def __init__(self, fn, varying: list[str]):
+        self.fixed = triton.jit(fn)
+        self.any = triton.jit(do_not_specialize=varying)(fn)
+
+    def __getitem__(self, grid):
+        from dsv4 import ops
+
+        return (self.fixed if ops.shapes_fixed() else self.any)[grid]
 
 
 def pdl_launch(on: bool) -> dict:
