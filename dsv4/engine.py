@@ -305,19 +305,20 @@ class Engine:
 
     # prefill chunk lengths that select every kernel variant a prompt can need (tiles by power-of-two token
     # counts, 16-divisible or not: 9 is the 9-15 class of the 16-row tiles, 80 the 16-divisible one of 65-95; 5
-    # leaves one compressed entry): compiled here, at load, instead of during the first request
-    WARM_UP_CHUNKS = (2, 3, 5, 8, 9, 16, 17, 64, 65, 80, 128)
+    # leaves one compressed entry, 33 eight, fewer than a small top-k's k; 1 is a one-token chunk, whose index list
+    # spans the whole state wherever it runs): compiled here, at load, instead of during the first request
+    WARM_UP_CHUNKS = (1, 2, 3, 5, 8, 9, 16, 17, 33, 64, 65, 80, 128)
     # and (offset, length) at each of warm_up_positions(): the indexer's kernels take tiles by the power of two of the
-    # entries a chunk sees and specialize on whether that count (and the rows' stride) is 16-divisible; a full chunk,
-    # a tail of 5 and a 16-token chunk 4 positions on meet each class, a 1-token tail the kernels of a one-token
-    # chunk (kernels compiled during requests took up to ~5 s of their time to first token; sixty-second pass)
+    # entries a chunk sees and specialize on whether that count and k are 16-divisible; a full chunk, a tail of 5 and
+    # a 16-token chunk 4 positions on meet those classes (kernels compiled during requests took up to ~5 s of their
+    # time to first token; sixty-second pass)
     WARM_UP_TAILS = ((0, PREFILL_CHUNK), (0, 5), (0, 1), (4, 16))
 
     def warm_up_positions(self) -> list[int]:
-        """The positions where _warm_up runs the WARM_UP_TAILS: the powers of two from the chunk length on, while
-        a full chunk fits in the context."""
+        """The positions where _warm_up runs the WARM_UP_TAILS that fit: the powers of two from the chunk length
+        on, inside the context."""
         out, p = [], PREFILL_CHUNK
-        while p + PREFILL_CHUNK <= self.max_context:
+        while p < self.max_context:
             out.append(p)
             p *= 2
         return out

@@ -182,6 +182,7 @@ def balance_routing(model, tokens: int = 128, steps: int = 200) -> list[tuple[in
             return Gate.forward(gate, x, ids)
         return forward
 
+    tokens = min(tokens, model.max_pos)
     g = torch.Generator(device="cpu").manual_seed(1)
     ids = torch.randint(0, model.cfg.vocab_size, (1, tokens), generator=g).to(model.embed.weight.device)
     model.prepare()
@@ -193,7 +194,7 @@ def balance_routing(model, tokens: int = 128, steps: int = 200) -> list[tuple[in
             model.forward_streams(ids, state)
     finally:
         for gate in gates:
-            del gate.forward
+            vars(gate).pop("forward", None)
     return out
 
 

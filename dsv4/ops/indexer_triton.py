@@ -115,11 +115,10 @@ def _scores_kernel(q_ptr, w_ptr, k_ptr, o_ptr, S, H, N, d,
         tl.store(o_ptr + b * so_b + s * so_s + offs_n, res.to(o_ptr.dtype.element_ty), mask=n_ok & (offs_n * 0 + s < S))
 
 
-
-# a prefill chunk's length S (and the strides that follow it alone) change with the chunk: not specialized outside the
-# decode graphs (triton_util.JitTwins); N and the output's strides stay specialized (masked key tiles and score rows
-# of a 16-divisible N load and store in vectors: not specializing them cost 2x for a 128-query chunk at 4K entries),
-# and the engine's warm-up meets each class of them
+# a prefill chunk's length S (and the query strides that follow it alone) change with the chunk: not specialized
+# outside the decode graphs (triton_util.JitTwins). N and the output's row stride stay specialized (masked key tiles
+# and score rows of a 16-divisible N load and store in vectors: not specializing them cost 2x for a 128-query chunk at
+# 4K entries) and the engine's warm-up meets their classes; the batch strides are passed as 0 for one sequence
 _scores = JitTwins(_scores_kernel, ["S", "sq_b", "sw_b"])
 
 # entries per program (BN: `bn_small` up to `large_n` entries, else `bn_large`), queries per program (one K tile
@@ -171,17 +170,20 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, low_precis
         cfg = SCORES_CFG
         BN = cfg["bn_large"] if N > cfg["large_n"] else cfg["bn_small"]
         SB, stages = cfg["sb_packed" if packed else "sb"], cfg["stages"]
-        if ops.shapes_fixed():  # a graph's few queries (decode): blocks of that many; eager calls (a prefill chunk
-            SB = min(SB, S)  # of any length) mask the block's queries past S, so one compile serves every length
+        # a graph's few queries (decode) and one query: blocks of that many; other eager calls (a prefill chunk of any
+        # length) mask the block's queries past S, so one compile serves every length
+        if ops.shapes_fixed() or S == 1:
+            SB = min(SB, S)
         opts = {"num_warps": cfg["warps"], **pdl_launch(pdl)}
     else:
-        BN, SB, stages, opts = 64, min(SCORES_CFG["sb"], S), 1, {}  # interpreted: the same query blocks
+        BN, SB, stages, opts = 64, min(SCORES_CFG["sb"], S), 1, {}  # interpreted: blocks of up to 4 queries
     grid = (triton.cdiv(N, BN), triton.cdiv(S, SB), B)
-    _scores[grid](q, w, k, o, S, H, N, d, q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1),
-                         k.stride(0), k.stride(1), o.stride(0), o.stride(1),
-                         float(w_scale), HP=max(16, _pow2_ge(H)), DP=max(16, _pow2_ge(d)), BN=BN, SB=SB,
-                         STAGES=stages, LOW=bool(low_precision), KIND=kind, OPT=opt, HW=q.is_cuda, PACKED=packed,
-                         PDL=pdl, **opts)
+    one = B == 1  # batch strides of 0 (b is 0): their class would follow S
+    _scores[grid](q, w, k, o, S, H, N, d, 0 if one else q.stride(0), q.stride(1), q.stride(2),
+                  0 if one else w.stride(0), w.stride(1), 0 if one else k.stride(0), k.stride(1),
+                  0 if one else o.stride(0), o.stride(1), float(w_scale), HP=max(16, _pow2_ge(H)),
+                  DP=max(16, _pow2_ge(d)), BN=BN, SB=SB, STAGES=stages, LOW=bool(low_precision), KIND=kind, OPT=opt,
+                  HW=q.is_cuda, PACKED=packed, PDL=pdl, **opts)
     return o
 
 
@@ -273,10 +275,10 @@ def _topk_kernel(x_ptr, nvis_ptr, src_ptr, dst_ptr, o_ptr, S, N, K, P_IN, sx_b, 
         tl.store(dst + jj, tl.full([KP], PAD, tl.int64), mask=jj >= n_take)
 
 
-
 # a prefill chunk's length S, the top-k's k and the merge rounds' inputs change with the chunk: not specialized outside
-# the decode graphs (triton_util.JitTwins); N and the strides stay specialized (16-divisible rows load in vectors: not
-# specializing them cost 1.4x at 32K entries), and the engine's warm-up meets both classes of N
+# the decode graphs (triton_util.JitTwins). N and the row strides stay specialized (16-divisible rows load in vectors:
+# not specializing them cost 1.4x at 32K entries) and the engine's warm-up meets their classes; the batch strides,
+# which follow S, are passed as 0 for one sequence
 _topk = JitTwins(_topk_kernel, ["S", "K", "P_IN"])
 
 # keys per program: a chunk of a row (TOPK_TILE) and the candidates one merge program takes (TOPK_MERGE)
@@ -309,21 +311,22 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor, k: int) -> torch.
     opts = {"num_warps": TOPK_WARPS, "PDL": pdl, **pdl_launch(pdl)} if scores.is_cuda else {}
     wb = 16 if scores.dtype == torch.bfloat16 else 32  # significant bits of the order-preserving score key
     sort_scr = torch.empty(rows * KP, dtype=torch.int64, device=dev)
-    strides = (scores.stride(0), scores.stride(1), o.stride(0), o.stride(1))
+    one = B == 1  # batch strides of 0 (b is 0): their class would follow S
+    strides = (0 if one else scores.stride(0), scores.stride(1), 0 if one else o.stride(0), o.stride(1))
     if P == 1:
         _topk[(rows, 1)](scores, n_visible, sort_scr, sort_scr, o, S, N, k, 1, *strides,
-                                T=T0, KP=KP, WB=wb, FROM_SCORES=True, FINAL=True, ALL=k == N, **opts)
+                         T=T0, KP=KP, WB=wb, FROM_SCORES=True, FINAL=True, ALL=k == N, **opts)
         return o
     cand = torch.empty(rows * P * KP, dtype=torch.int64, device=dev)
     _topk[(rows, P)](scores, n_visible, cand, cand, o, S, N, k, P, *strides,
-                            T=T0, KP=KP, WB=wb, FROM_SCORES=True, FINAL=False, **opts)
+                     T=T0, KP=KP, WB=wb, FROM_SCORES=True, FINAL=False, **opts)
     G = max(2, TOPK_MERGE["cuda" if scores.is_cuda else "cpu"] // KP)  # chunks' candidates merged per program
     while True:
         Pn = triton.cdiv(P, G)
         final = Pn == 1
         dst = sort_scr if final else torch.empty(rows * Pn * KP, dtype=torch.int64, device=dev)
         _topk[(rows, Pn)](scores, n_visible, cand, dst, o, S, N, k, P, *strides,
-                                 T=G * KP, KP=KP, WB=wb, FROM_SCORES=False, FINAL=final, **opts)
+                          T=G * KP, KP=KP, WB=wb, FROM_SCORES=False, FINAL=final, **opts)
         if final:
             return o
         cand, P = dst, Pn

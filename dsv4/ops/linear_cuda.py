@@ -194,7 +194,7 @@ def wo_a(o2: torch.Tensor, w8: PreparedLinear, groups: int, out: torch.Tensor,
     mod.gemv(o2, w8.weight, w8.scale, out, splits, wr, nstep, nchunk, False, groups, PDL, None, 0.0)
 
 
-# below: the GEMV (1-8 tokens) or the Triton kernels, for a shape outside GEMM_TUNED (its plan can set a lower bound)
+# below: the GEMV (1-8 tokens) or the Triton kernels; the default of GemmPlan.min_m, and the bound outside GEMM_TUNED
 GEMM_MIN_M = 96
 
 
@@ -216,10 +216,10 @@ GEMM_TUNED: dict[tuple[int, int], GemmPlan] = {
     # wq_b: 16.3-16.9 us (bn 64: 19.4; Triton 22.0); from 32 rows (M = 16 / 32 / 64: 16.7-16.9 / 16.1-16.4 / 15.8-15.9
     # us, Triton 12.4-12.7 / 17.1-17.5 / 17.7-18.1; sixty-second pass)
     (32768, 1024): GemmPlan(1, min_m=32),
-    # wq_b || indexer wq_b (CSA layers): 22.1 us (bn 64: 23.1; Triton 29.7); Triton up to 64 rows (19.6-20.9 us against
-    # 20.7-22.2)
+    # wq_b || indexer wq_b (CSA layers): 22.1 us (bn 64: 23.1; Triton 29.7); Triton up to 95 rows (M = 16-64: 19.6-20.9
+    # us against 20.7-22.2)
     (40960, 1024): GemmPlan(1),
-    (4096, 8192): GemmPlan(2, 64),  # wo_b: 17.7-18.3 us, clusters of 2 (128 wide, S = 4: 20.0-20.4); Triton to 64 rows
+    (4096, 8192): GemmPlan(2, 64),  # wo_b: 17.7-18.3 us, clusters of 2 (128 wide, S = 4: 20.0-20.4); Triton to 95 rows
     # wq_a || wkv: 9.5 us, clusters of 4 (128 wide, S = 8: 11.0); from 9 rows (M = 16-64: 9.1-9.5 us, Triton 12.6-14.0)
     (1536, 4096): GemmPlan(4, 64, min_m=9),
     # the shared expert's w1 / w3 shape: 11.2 us, clusters of 4 (bn 64, S = 2: 11.1); from 9 rows (M = 16-64:

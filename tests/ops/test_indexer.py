@@ -244,3 +244,44 @@ def test_gpu_scores_then_topk_graph_replay_equals_eager():
     torch.cuda.synchronize()
     assert_bitwise_equal(out, step(), "graph replay after a new visible count")
     assert int((out >= 1000).sum()) == 0
+
+
+def test_eager_calls_take_the_unspecialized_twins(fast, monkeypatch):
+    # triton_util.JitTwins: inside ops.fixed_shapes() (the decode graphs' warm-up and capture) the kernel specialized
+    # on its integers, outside the twin that does not specialize on what follows a prefill chunk (so a new chunk
+    # length compiles nothing); the batch strides go in as 0 for one sequence; eager scores calls take one block size
+    from dsv4 import ops
+
+    seen = []
+
+    class Probe:
+        def __init__(self, tag):
+            self.tag = tag
+
+        def __getitem__(self, grid):
+            return lambda *a, **k: seen.append((self.tag, a, k))
+
+    for twins in (fast._topk, fast._scores):
+        monkeypatch.setattr(twins, "fixed", Probe("fixed"))
+        monkeypatch.setattr(twins, "any", Probe("any"))
+    scores, nvis = torch.randn(1, 3, 40), torch.full((3,), 40)
+    q, w, k = torch.randn(1, 3, 4, 16), torch.randn(1, 3, 4), torch.randn(1, 40, 16)
+    fast.topk_select(scores, nvis, 4)
+    fast.indexer_scores(q, w, k, False)
+    with ops.fixed_shapes():
+        with ops.fixed_shapes():
+            fast.topk_select(scores, nvis, 4)
+        assert ops.shapes_fixed()
+        fast.indexer_scores(q, w, k, False)
+    assert not ops.shapes_fixed()
+    with pytest.raises(RuntimeError), ops.fixed_shapes():
+        raise RuntimeError
+    assert not ops.shapes_fixed()
+    assert [t for t, _, _ in seen] == ["any", "any", "fixed", "fixed"]
+    assert seen[0][1][9] == 0 and seen[0][1][11] == 0  # the top-k's batch strides (sx_b, so_b)
+    assert [seen[1][1][i] for i in (8, 11, 13, 15)] == [0] * 4  # the scores' (sq_b, sw_b, sk_b, so_b)
+    monkeypatch.undo()
+    for twins, varying in ((fast._topk, ["S", "K", "P_IN"]), (fast._scores, ["S", "sq_b", "sw_b"])):
+        if hasattr(twins.any, "params"):  # JITFunctions (not the interpreter's wrapper): the names are parameters
+            assert [p.name for p in twins.any.params if p.do_not_specialize] == varying
+            assert not any(p.do_not_specialize for p in twins.fixed.params)
