@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4 import ops
+
 try:  # programmatic dependent launch from Triton (griddepcontrol)
     from triton.backends.nvidia.compiler import CUDAOptions
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -50,8 +52,6 @@ class JitTwins:
         self.any = triton.jit(do_not_specialize=varying)(fn)
 
     def __getitem__(self, grid):
-        from dsv4 import ops
-
         return (self.fixed if ops.shapes_fixed() else self.any)[grid]
 
 
