@@ -115,11 +115,12 @@ def _scores_kernel(q_ptr, w_ptr, k_ptr, o_ptr, S, H, N, d,
         tl.store(o_ptr + b * so_b + s * so_s + offs_n, res.to(o_ptr.dtype.element_ty), mask=n_ok & (offs_n * 0 + s < S))
 
 
-# a prefill chunk's length S (and the query strides that follow it alone) change with the chunk: not specialized
-# outside the decode graphs (triton_util.JitTwins). N and the output's row stride stay specialized (masked key tiles
-# and score rows of a 16-divisible N load and store in vectors: not specializing them cost 2x for a 128-query chunk at
-# 4K entries) and the engine's warm-up meets their classes; the batch strides are passed as 0 for one sequence
-_scores = JitTwins(_scores_kernel, ["S", "sq_b", "sw_b"])
+# a prefill chunk's length S changes with the chunk: not specialized outside the decode graphs
+# (triton_util.JitTwins). N, the row strides and the batch strides (0 for one sequence: theirs would follow S) stay
+# specialized: a stride of unknown divisibility makes its tensor's loads scalar (N unspecialized, or the batch strides
+# of q and w, cost a 128-query chunk 2x: 69 instead of 36 us at 4K entries, 316 instead of 217 at 32K), and the
+# engine's warm-up meets their classes
+_scores = JitTwins(_scores_kernel, ["S"])
 
 # entries per program (BN: `bn_small` up to `large_n` entries, else `bn_large`), queries per program (one K tile
 # serves SB queries), software-pipeline stages of the query loop, warps. Measured on an H200 (docs/performance.md,

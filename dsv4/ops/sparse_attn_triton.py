@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from dsv4.ops.kv_pack import ROPE, is_packed, packed_dim
-from dsv4.ops.triton_util import packed_kv_chunk, rope_pairs
+from dsv4.ops.triton_util import JitTwins, packed_kv_chunk, rope_pairs
 
 BLOCK = 64  # slots per online-softmax step, as sparse_attn_ref and DeepSeek's kernel
 
@@ -188,13 +188,12 @@ def _block(kw_ptr, k16_ptr, rows, valid, q0, q1, q2, q3, m, z, acc0, acc1, acc2,
     return m_new, z, acc0, acc1, acc2, acc3
 
 
-@triton.jit
 def _attn_kernel(q_ptr, kw_ptr, k16_ptr, iw_ptr, kc_delta, ic_ptr, sink_ptr, o_ptr, bm_ptr, pm_ptr, pz_ptr, pa_ptr,
                  cs_ptr, sn_ptr, scale, S, H, Lw, Lc, NBS, NSPLIT,
                  sq_b, sq_s, sq_h, skw_b, skw_n, siw_b, siw_s, siw_l, skc_b, skc_n, sic_b, sic_s, sic_l,
                  so_b, so_s, so_h,
                  D: tl.constexpr, DP: tl.constexpr, BH: tl.constexpr, BLOCK: tl.constexpr,
-                 HAS_COMP: tl.constexpr, STAGE: tl.constexpr, NSP: tl.constexpr, KIND: tl.constexpr,
+                 HAS_COMP: tl.constexpr, STAGE: tl.constexpr, TS: tl.constexpr, KIND: tl.constexpr,
                  OUT_KIND: tl.constexpr, OPT: tl.constexpr, ALIGNED: tl.constexpr, RD2: tl.constexpr,
                  PACKED: tl.constexpr, NOPE: tl.constexpr):
     """STAGE 0: the whole list, finished in place. Split lists: STAGE 1 writes each split's maximum logit
@@ -229,11 +228,12 @@ def _attn_kernel(q_ptr, kw_ptr, k16_ptr, iw_ptr, kc_delta, ic_ptr, sink_ptr, o_p
     w_off = b * skw_b  # element offsets from kv_win's base
     c_off = kc_delta + b * skc_b
     m = tl.full([BH], float("-inf"), tl.float32)
-    if STAGE == 2:  # the running maximum after the splits before this one
-        offs_p = tl.arange(0, NSP)
-        bm = tl.load(bm_ptr + (qi.to(tl.int64) * NSPLIT + offs_p[:, None]) * H + offs_h[None, :],
-                     mask=(offs_p[:, None] < sp) & h_ok[None, :], other=float("-inf"))
-        m = tl.max(bm, 0)
+    if STAGE == 2:  # the running maximum after the splits before this one (TS splits a load; a maximum is exact)
+        offs_p = tl.arange(0, TS)
+        for p0 in range(0, sp, TS):
+            bm = tl.load(bm_ptr + (qi.to(tl.int64) * NSPLIT + p0 + offs_p[:, None]) * H + offs_h[None, :],
+                         mask=(p0 + offs_p[:, None] < sp) & h_ok[None, :], other=float("-inf"))
+            m = tl.maximum(m, tl.max(bm, 0))
     z = tl.zeros([BH], tl.float32)
     acc0 = tl.zeros([BH, DC], tl.float32)
     acc1 = tl.zeros([BH, DC], tl.float32)
@@ -289,13 +289,13 @@ def _attn_kernel(q_ptr, kw_ptr, k16_ptr, iw_ptr, kc_delta, ic_ptr, sink_ptr, o_p
                  mask=h2 & c_ok3[None, :])
 
 
-@triton.jit
 def _combine_kernel(pm_ptr, pz_ptr, pa_ptr, sink_ptr, o_ptr, cs_ptr, sn_ptr, S, H, NSPLIT, so_b, so_s, so_h,
-                    D: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, NSP: tl.constexpr, ONE_SHOT: tl.constexpr,
+                    D: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, TS: tl.constexpr,
                     OUT_KIND: tl.constexpr, RD2: tl.constexpr):
     """One program per (query, BH heads, BD output columns): m* = max m_i, Z = sum Z_i e^(m_i - m*),
-    acc = sum acc_i e^(m_i - m*) over the splits, then the sink and o = acc / Z. ONE_SHOT: all splits'
-    [BH, BD] partials in one [NSP, BH, BD] load (no serial chain of loads), else a loop over the splits."""
+    acc = sum acc_i e^(m_i - m*) over the splits, then the sink and o = acc / Z. The splits go TS at a time (a
+    [TS, BH, BD] load of partials, summed, then added in split order): for a given split count the same sums
+    whatever else the call's shapes are, and one compile serves every count."""
     qi = tl.program_id(0)
     hg = tl.program_id(1)
     dg = tl.program_id(2)
@@ -305,33 +305,38 @@ def _combine_kernel(pm_ptr, pz_ptr, pa_ptr, sink_ptr, o_ptr, cs_ptr, sn_ptr, S, 
     h_ok = offs_h < H
     offs_d = dg * BD + tl.arange(0, BD)
     d_ok = offs_d < D
-    offs_p = tl.arange(0, NSP)
+    offs_p = tl.arange(0, TS)
     row0 = qi.to(tl.int64) * NSPLIT
-    pidx = (row0 + offs_p[:, None]) * H + offs_h[None, :]  # [NSP, BH]
-    pmask = (offs_p[:, None] < NSPLIT) & h_ok[None, :]
-    pm = tl.load(pm_ptr + pidx, mask=pmask, other=float("-inf"))
-    pz = tl.load(pz_ptr + pidx, mask=pmask, other=0.0)
-    m = tl.max(pm, 0)
+    m = tl.full([BH], float("-inf"), tl.float32)
+    for p0 in range(0, NSPLIT, TS):
+        pidx = (row0 + p0 + offs_p[:, None]) * H + offs_h[None, :]  # [TS, BH]
+        pmask = (p0 + offs_p[:, None] < NSPLIT) & h_ok[None, :]
+        m = tl.maximum(m, tl.max(tl.load(pm_ptr + pidx, mask=pmask, other=float("-inf")), 0))
     base = tl.where(m == float("-inf"), 0.0, m)
-    wgt = tl.exp(pm - base[None, :])  # [NSP, BH]; 0 for splits without a valid slot
-    z = tl.sum(pz * wgt, 0)
-    if ONE_SHOT:
+    z = tl.zeros([BH], tl.float32)
+    acc = tl.zeros([BH, BD], tl.float32)
+    for p0 in range(0, NSPLIT, TS):
+        pidx = (row0 + p0 + offs_p[:, None]) * H + offs_h[None, :]
+        pmask = (p0 + offs_p[:, None] < NSPLIT) & h_ok[None, :]
+        wgt = tl.exp(tl.load(pm_ptr + pidx, mask=pmask, other=float("-inf")) - base[None, :])  # 0 past the splits
+        z = z + tl.sum(tl.load(pz_ptr + pidx, mask=pmask, other=0.0) * wgt, 0)
         a = tl.load(pa_ptr + pidx[:, :, None] * D + offs_d[None, None, :],
-                    mask=pmask[:, :, None] & d_ok[None, None, :], other=0.0)  # [NSP, BH, BD]
-        acc = tl.sum(a * wgt[:, :, None], 0)
-    else:
-        acc = tl.zeros([BH, BD], tl.float32)
-        for i in range(NSPLIT):
-            prow = (row0 + i) * H + offs_h
-            wi = tl.exp(tl.load(pm_ptr + prow, mask=h_ok, other=float("-inf")) - base)
-            a = tl.load(pa_ptr + prow[:, None] * D + offs_d[None, :], mask=h_ok[:, None] & d_ok[None, :],
-                        other=0.0)
-            acc = acc + a * wi[:, None]
+                    mask=pmask[:, :, None] & d_ok[None, None, :], other=0.0)  # [TS, BH, BD]
+        acc = acc + tl.sum(a * wgt[:, :, None], 0)
     sink = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0)
     z = z + tl.exp(sink - base)
     o = _out_tile(tl.math.div_rn(acc, z[:, None]), dg * BD, cs_ptr, sn_ptr, s, BH, BD, D, RD2, OUT_KIND)
     tl.store(o_ptr + b * so_b + s * so_s + offs_h[:, None].to(tl.int64) * so_h + offs_d[None, :], o,
              mask=h_ok[:, None] & d_ok[None, :])
+
+
+# a prefill chunk's length, its lists' widths (window and compressed slots: they grow with the position), the blocks a
+# program walks, the split count and the list strides that follow them change from chunk to chunk: not specialized
+# outside the decode graphs (triton_util.JitTwins), so a request compiles nothing the engine's warm-up did not. The
+# batch strides go in as 0 for one sequence. Splits are read TS at a time (a split count is not a constexpr).
+_attn = JitTwins(_attn_kernel, ["S", "Lw", "Lc", "NBS", "NSPLIT", "siw_s", "sic_s"])
+_combine = JitTwins(_combine_kernel, ["S", "NSPLIT"])
+TS = 16
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -476,26 +481,24 @@ def sparse_attn(q: torch.Tensor, kv_win: torch.Tensor, idx_win: torch.Tensor, kv
     k16 = kv_win.view(torch.bfloat16) if packed else kv_win
     kc_delta = (kc.data_ptr() - kv_win.data_ptr()) // kv_win.element_size()
     aligned = all(v % 16 == 0 for v in (kc_delta, kv_win.stride(0), kv_win.stride(1), kc.stride(0), kc.stride(1)))
+    one = B == 1  # batch strides of 0 (b is 0): theirs would follow S
     args = (q, kv_win, k16, idx_win, kc_delta, ic, sink, o, bm, pm, pz, pa, cs, sn,
             float(scale), S, H, Lw, Lc, bps, nsplit,
-            q.stride(0), q.stride(1), q.stride(2), kv_win.stride(0), kv_win.stride(1),
-            idx_win.stride(0), idx_win.stride(1), idx_win.stride(2),
-            kc.stride(0), kc.stride(1), ic.stride(0), ic.stride(1), ic.stride(2),
-            o.stride(0), o.stride(1), o.stride(2))
-    meta = dict(D=D, DP=DP, BH=bh, BLOCK=BLOCK, HAS_COMP=has_comp, NSP=_pow2_ge(nsplit), KIND=kind, OUT_KIND=kind,
+            0 if one else q.stride(0), q.stride(1), q.stride(2), kv_win.stride(0), kv_win.stride(1),
+            0 if one else idx_win.stride(0), idx_win.stride(1), idx_win.stride(2),
+            kc.stride(0), kc.stride(1), 0 if one else ic.stride(0), ic.stride(1), ic.stride(2),
+            0 if one else o.stride(0), o.stride(1), o.stride(2))
+    meta = dict(D=D, DP=DP, BH=bh, BLOCK=BLOCK, HAS_COMP=has_comp, TS=TS, KIND=kind, OUT_KIND=kind,
                 OPT=opt, ALIGNED=aligned, RD2=rd2, PACKED=packed, NOPE=D - ROPE if packed else 0, **opts)
     for stage in ((1, 2) if split else (0,)):  # split: the splits' maxima first, then the seeded walks
-        _attn_kernel[grid](*args, STAGE=stage, **meta)
+        _attn[grid](*args, STAGE=stage, **meta)
     if split:
-        # combine tiles: all splits of BH heads x BD columns in one load while that stays <= 8K fp32 values
-        nsp = _pow2_ge(nsplit)
-        cbh = 8
-        one_shot = nsp <= 64
-        cbd = max(16, min(64, 8192 // (nsp * cbh))) if one_shot else 64
+        # combine tiles: TS splits of 8 heads x 64 columns a load (8K fp32 values)
+        cbh, cbd = 8, 64
         copts = {"num_warps": 4} if q.is_cuda else {}
-        _combine_kernel[(B * S, triton.cdiv(H, cbh), triton.cdiv(D, cbd))](
-            pm, pz, pa, sink, o, cs, sn, S, H, nsplit, o.stride(0), o.stride(1), o.stride(2),
-            D=D, BH=cbh, BD=cbd, NSP=nsp, ONE_SHOT=one_shot, OUT_KIND=kind, RD2=rd2, **copts)
+        _combine[(B * S, triton.cdiv(H, cbh), triton.cdiv(D, cbd))](
+            pm, pz, pa, sink, o, cs, sn, S, H, nsplit, 0 if one else o.stride(0), o.stride(1), o.stride(2),
+            D=D, BH=cbh, BD=cbd, TS=TS, OUT_KIND=kind, RD2=rd2, **copts)
     return o
 
 
