@@ -297,11 +297,17 @@ class Engine:
             from dsv4.graphs import DecodeRunner, PrefillRunner, prefill_graphs_apply
 
             self.runner = DecodeRunner(model, self.state, use_graphs=True)
+            self._token_host = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+            self._token_event = torch.cuda.Event()
             self._warm_up()
             # full prefill chunks after the first replay two graphs per layer (the reference MoE syncs with the host,
             # so the reference backend prefills eagerly)
             if prefill_graphs and max_context > 2 * PREFILL_CHUNK and prefill_graphs_apply():
                 self.prefill = PrefillRunner(model, self.state, PREFILL_CHUNK)
+
+    # Engine.complete queues each decode step on the last step's sample while it is still on the device (False: the
+    # host reads each token before the next step is launched; for A/B runs)
+    step_ahead = True
 
     # prefill chunk lengths that select every kernel variant a prompt can need (tiles by power-of-two token
     # counts, 16-divisible or not: 9 is the 9-15 class of the 16-row tiles, 80 the 16-divisible one of 65-95; 5
@@ -541,9 +547,25 @@ class Engine:
                 else:
                     self.model.forward_streams(chunk, self.state)
             generator = make_generator(params, logits.device)
+            # one step ahead (graphs, no log-probabilities): the next step is queued on the sampled token while it is
+            # still on the device, and the host reads the token (a pinned copy and its event) as that step runs, so
+            # the GPU does not wait for the host's loop between steps. The step after the last token runs only when
+            # that token's EOS or stop string could not be known in advance: the state then holds it as well.
+            ahead = self.runner is not None and lps is None and self.step_ahead
+            fed_last = False
+            token = sample(logits[:, -1], params, generator)
             while True:
-                token = sample(logits[:, -1], params, generator)
-                token_id = int(token.item())  # the one host sync per step
+                n = len(out) + 1  # tokens once this one is taken
+                if ahead and n < params.max_new_tokens and P + n < self.max_context:
+                    self._token_host.copy_(token.view(1), non_blocking=True)
+                    self._token_event.record(torch.cuda.current_stream(token.device))
+                    logits = self.runner.step(token, self.state.pos).view(1, 1, -1)
+                    fed_last = True
+                    self._token_event.synchronize()
+                    token_id = int(self._token_host[0])
+                else:
+                    fed_last = False
+                    token_id = int(token.item())  # the one host sync per step
                 if not out:
                     t_first = time.perf_counter()
                 if lps is not None:
@@ -556,14 +578,20 @@ class Engine:
                     finish = "length"
                 elif P + len(out) >= self.max_context:
                     finish = "context"
+                elif fed_last:
+                    token = sample(logits[:, -1], params, generator)
+                    continue
                 elif self.runner is not None:
                     logits = self.runner.step(token_id, self.state.pos).view(1, 1, -1)
+                    token = sample(logits[:, -1], params, generator)
                     continue
                 else:
                     logits = self.model(token.view(1, 1).to(self.input_device), self.state, last_only=True)
+                    token = sample(logits[:, -1], params, generator)
                     continue
                 break
-            self.state_ids = list(prompt_ids) + out[:-1]  # the last token was sampled, never fed
+            # the last token was sampled; it was fed only when its step ran ahead
+            self.state_ids = list(prompt_ids) + (out if fed_last else out[:-1])
         except KeyboardInterrupt:
             finish = "interrupted"  # state_ids stays None: a forward may have stopped half-way
         t_end = time.perf_counter()

@@ -207,7 +207,12 @@ class DecodeRunner:
         else:
             self.x_out[key], self.pre_out[key] = out, None  # (the next layer makes its own)
 
-    def _upload(self, token: int, pos: int) -> None:
+    def _upload(self, token: int | torch.Tensor, pos: int) -> None:
+        if isinstance(token, torch.Tensor):  # a sampled token still on its device: no host round trip
+            for t in self.inp.values():
+                t[0:1].copy_(token.view(1), non_blocking=True)
+                t[1:2].fill_(pos)
+            return
         self.slot = (self.slot + 1) % len(self.ring)
         host, ev = self.ring[self.slot], self.ring_events[self.slot]
         for e in ev or ():
@@ -224,8 +229,10 @@ class DecodeRunner:
             self.ring_events[self.slot] = events
 
     @torch.no_grad()
-    def step(self, token: int, pos: int | None = None) -> torch.Tensor:
-        """Feed `token` at `pos` (default state.pos) -> next-token logits [vocab] fp32 (on the head device)."""
+    def step(self, token: int | torch.Tensor, pos: int | None = None) -> torch.Tensor:
+        """Feed `token` at `pos` (default state.pos) -> next-token logits [vocab] fp32 (on the head device). `token`
+        may be a one-element int64 tensor on a device (the last step's sample): the step is then queued behind the
+        sampling without the host reading the token first."""
         pos = self.state.pos if pos is None else pos
         if pos >= self.state.max_len:
             raise ValueError(f"position {pos} is past the state's max_len {self.state.max_len}")

@@ -532,3 +532,39 @@ def test_cuda_graph_decode_with_prefix_reuse_logprobs_and_stop(tokenizer):
     assert b.token_ids == fresh.token_ids and fresh.cached_tokens == 0
     for x, y in zip(b.logprobs, fresh.logprobs):
         assert x["id"] == y["id"] and abs(x["logprob"] - y["logprob"]) < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_decode_steps_ahead_generate_what_host_fed_steps_generate(tokenizer):
+    # Engine.step_ahead queues each decode step on the device-side sample: the same tokens as feeding each token
+    # from the host, greedy and sampled; a step that ran ahead of an EOS leaves that token in the state, and a
+    # request reusing the prefix takes it from there
+    raw = tiny_config([4, 0, 16], n_mtp=0, vocab=VOCAB, max_pos=1024)
+    model = random_model(raw, Numerics("exact", torch.float32), seed=2).place(["cuda:0"])
+    eng = Engine(model, tokenizer, max_context=512, graphs=True)
+    first = prompt_ids(140, 8)
+    runs = {}
+    for ahead in (True, False):
+        eng.step_ahead = ahead
+        runs[ahead] = [eng.complete(first, p) for p in (SamplingParams(temperature=0.0, max_new_tokens=24),
+                                                        SamplingParams(temperature=0.8, top_p=0.9, seed=5,
+                                                                       max_new_tokens=24))]
+    for a, b in zip(runs[True], runs[False]):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason == "length"
+    greedy = runs[True][0].token_ids
+    k = next(i for i in range(4, len(greedy)) if greedy[i] not in greedy[:i])
+    eng.eos_ids = frozenset({greedy[k]})
+    cached = {}
+    for ahead in (True, False):
+        eng.step_ahead = ahead
+        eng.reset()
+        c = eng.complete(first, SamplingParams(temperature=0.0, max_new_tokens=24), reuse_prefix=True)
+        assert c.token_ids == greedy[:k + 1] and c.finish_reason == "stop"
+        second = first + c.token_ids + prompt_ids(20, 9)
+        d = eng.complete(second, SamplingParams(temperature=0.0, max_new_tokens=6), reuse_prefix=True)
+        cached[ahead] = d.cached_tokens
+        fresh = Engine(model, tokenizer, max_context=512, graphs=False)
+        fresh.eos_ids = eng.eos_ids
+        assert d.token_ids == fresh.complete(second, SamplingParams(temperature=0.0, max_new_tokens=6)).token_ids
+    assert cached == {True: len(first) + k + 1, False: len(first) + k}
