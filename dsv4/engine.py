@@ -305,8 +305,9 @@ class Engine:
             if prefill_graphs and max_context > 2 * PREFILL_CHUNK and prefill_graphs_apply():
                 self.prefill = PrefillRunner(model, self.state, PREFILL_CHUNK)
 
-    # Engine.complete queues each decode step on the last step's sample while it is still on the device (False: the
-    # host reads each token before the next step is launched; for A/B runs)
+    # Engine.complete queues each decode step on the last step's sample while it is still on the device. False (a
+    # diagnostic, not a second release path): the host reads each token before launching the next step, the loop the
+    # GPU test checks this one against and the A/B runs time it against
     step_ahead = True
 
     # prefill chunk lengths that select every kernel variant a prompt can need (tiles by power-of-two token
@@ -547,16 +548,19 @@ class Engine:
                 else:
                     self.model.forward_streams(chunk, self.state)
             generator = make_generator(params, logits.device)
-            # one step ahead (graphs, no log-probabilities): the next step is queued on the sampled token while it is
-            # still on the device, and the host reads the token (a pinned copy and its event) as that step runs, so
-            # the GPU does not wait for the host's loop between steps. The step after the last token runs only when
-            # that token's EOS or stop string could not be known in advance: the state then holds it as well.
+            # one step ahead (graphs, no log-probabilities, from the second token on: the first is read before any
+            # step is launched, so the time to first token holds no launch): the next step is queued on the sampled
+            # token while it is still on the device, and the host reads the token (a pinned copy and its event) as
+            # that step runs, so the GPU does not wait for the host's loop between steps. No step runs ahead of the
+            # last token max_new_tokens or the context allows; one that ran ahead of an EOS or a stop string has fed
+            # that token, so the state holds it (a chat's next turn continues after the EOS; after a stop string its
+            # re-rendered text may no longer match and is prefilled whole)
             ahead = self.runner is not None and lps is None and self.step_ahead
             fed_last = False
             token = sample(logits[:, -1], params, generator)
             while True:
                 n = len(out) + 1  # tokens once this one is taken
-                if ahead and n < params.max_new_tokens and P + n < self.max_context:
+                if ahead and out and n < params.max_new_tokens and P + n < self.max_context:
                     self._token_host.copy_(token.view(1), non_blocking=True)
                     self._token_event.record(torch.cuda.current_stream(token.device))
                     logits = self.runner.step(token, self.state.pos).view(1, 1, -1)

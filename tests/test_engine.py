@@ -553,18 +553,20 @@ def test_decode_steps_ahead_generate_what_host_fed_steps_generate(tokenizer):
     for a, b in zip(runs[True], runs[False]):
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason == "length"
     greedy = runs[True][0].token_ids
-    k = next(i for i in range(4, len(greedy)) if greedy[i] not in greedy[:i])
+    # an EOS that first appears past the first few tokens and before the last (whose step never runs ahead)
+    k = next((i for i in range(4, len(greedy) - 1) if greedy[i] not in greedy[:i]), None)
+    assert k is not None, f"no token first appears at 4..{len(greedy) - 2} of {greedy}: pick another seed"
     eng.eos_ids = frozenset({greedy[k]})
+    fresh = Engine(model, tokenizer, max_context=512, graphs=False)
+    fresh.eos_ids = eng.eos_ids
     cached = {}
     for ahead in (True, False):
         eng.step_ahead = ahead
         eng.reset()
-        c = eng.complete(first, SamplingParams(temperature=0.0, max_new_tokens=24), reuse_prefix=True)
+        c = eng.complete(first, SamplingParams(temperature=0.0, max_new_tokens=24))
         assert c.token_ids == greedy[:k + 1] and c.finish_reason == "stop"
         second = first + c.token_ids + prompt_ids(20, 9)
         d = eng.complete(second, SamplingParams(temperature=0.0, max_new_tokens=6), reuse_prefix=True)
         cached[ahead] = d.cached_tokens
-        fresh = Engine(model, tokenizer, max_context=512, graphs=False)
-        fresh.eos_ids = eng.eos_ids
         assert d.token_ids == fresh.complete(second, SamplingParams(temperature=0.0, max_new_tokens=6)).token_ids
     assert cached == {True: len(first) + k + 1, False: len(first) + k}
