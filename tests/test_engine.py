@@ -540,9 +540,7 @@ def test_decode_steps_ahead_generate_what_host_fed_steps_generate(tokenizer):
     # Engine.step_ahead queues each decode step on the device-side sample: the same tokens as feeding each token
     # from the host, greedy and sampled; a step that ran ahead of an EOS leaves that token in the state, and a
     # request reusing the prefix takes it from there
-    raw = tiny_config([4, 0, 16], n_mtp=0, vocab=VOCAB, max_pos=1024)
-    model = random_model(raw, Numerics("exact", torch.float32), seed=2).place(["cuda:0"])
-    eng = Engine(model, tokenizer, max_context=512, graphs=True)
+    eng, fresh = _graph_and_eager_engines(tokenizer, 2, 512)
     first = prompt_ids(140, 8)
     runs = {}
     for ahead in (True, False):
@@ -556,9 +554,7 @@ def test_decode_steps_ahead_generate_what_host_fed_steps_generate(tokenizer):
     # an EOS that first appears past the first few tokens and before the last (whose step never runs ahead)
     k = next((i for i in range(4, len(greedy) - 1) if greedy[i] not in greedy[:i]), None)
     assert k is not None, f"no token first appears at 4..{len(greedy) - 2} of {greedy}: pick another seed"
-    eng.eos_ids = frozenset({greedy[k]})
-    fresh = Engine(model, tokenizer, max_context=512, graphs=False)
-    fresh.eos_ids = eng.eos_ids
+    eng.eos_ids = fresh.eos_ids = frozenset({greedy[k]})
     cached = {}
     for ahead in (True, False):
         eng.step_ahead = ahead
