@@ -38,8 +38,8 @@ class SamplingParams:
             raise ValueError(f"top-k must be an integer >= 0 (0 disables it), got {self.top_k}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max-new-tokens must be an integer >= 1, got {self.max_new_tokens}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and not (isinstance(self.seed, int) and -(1 << 63) <= self.seed < 1 << 64):
+            raise ValueError(f"seed must be an integer in [-2^63, 2^64) (a torch generator's seed), got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
@@ -66,7 +66,10 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     """
     if params.greedy:
         raise ValueError("greedy sampling has no distribution; use sample()")
-    x = logits.float() / params.temperature
+    x = logits.float()
+    # the largest logit first subtracted and the temperature at least fp32's smallest normal number (which a smaller
+    # one would round to 0 in the division): the same distribution, and no inf - inf (NaN) at a tiny temperature
+    x = (x - x.amax(-1, keepdim=True)) / max(params.temperature, torch.finfo(torch.float32).tiny)
     V = x.shape[-1]
     if 0 < params.top_k < V:
         # scatter (not a `< kth value` mask) so ties at the boundary cannot keep more than k ids
@@ -76,8 +79,11 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     if params.top_p < 1.0:
         sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
         mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
-        # keep an id while the mass of the strictly more likely ids is still short of top_p
-        sorted_p = torch.where(mass_before < params.top_p, sorted_p, torch.zeros_like(sorted_p))
+        # keep an id while the mass of the strictly more likely ids is still short of top_p, and always the first (a
+        # top_p below fp32's smallest number compares as 0)
+        keep = mass_before < params.top_p
+        keep[..., 0] = True
+        sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
         probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs

@@ -83,6 +83,19 @@ def test_low_temperature_approaches_greedy():
     assert (draws == logits.argmax()).all()
 
 
+def test_tiny_temperature_and_top_p_keep_a_distribution():
+    # 1e-300 overflowed logits / T to inf (softmax NaN: every draw token 0); a top_p below fp32's smallest number
+    # compared as 0 and kept no id. Both now sample the most likely ids
+    logits = torch.randn(2, 1000, generator=torch.Generator().manual_seed(4)) * 5
+    for p in (SamplingParams(temperature=1e-300), SamplingParams(top_p=1e-300), SamplingParams(top_p=1e-30)):
+        probs = sampling_probs(logits, p)
+        assert torch.isfinite(probs).all()
+        assert torch.equal(probs.argmax(-1), logits.argmax(-1)) and (probs.max(-1).values == 1).all()
+        assert torch.equal(_draws(logits[:1], p, n=20), logits[:1].argmax().repeat(20))
+    tied = torch.tensor([[3.0, 7.0, 7.0, -2.0]])  # the limit of a vanishing temperature splits the ties
+    assert torch.equal(sampling_probs(tied, SamplingParams(temperature=1e-300)), torch.tensor([[0.0, 0.5, 0.5, 0.0]]))
+
+
 def test_same_seed_same_tokens_different_seed_different_tokens():
     logits = torch.zeros(64, 5000)  # uniform: every draw is pure generator randomness
     p = SamplingParams(temperature=1.0)
@@ -101,6 +114,8 @@ def test_same_seed_same_tokens_different_seed_different_tokens():
     (dict(top_p=1.5), r"top-p must be in \(0, 1\]"),
     (dict(top_k=-1), "top-k must be an integer >= 0"),
     (dict(max_new_tokens=0), "max-new-tokens must be an integer >= 1"),
+    (dict(seed=1 << 64), r"seed must be an integer in \[-2\^63, 2\^64\)"),
+    (dict(seed=-(1 << 63) - 1), r"seed must be an integer in \[-2\^63, 2\^64\)"),
 ])
 def test_invalid_params_are_rejected(kwargs, message):
     with pytest.raises(ValueError, match=message):
