@@ -10,7 +10,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run from a checkout without installing
 
-from dsv4.cli import main  # noqa: E402
-
 if __name__ == "__main__":
+    try:
+        from dsv4.cli import main
+    except KeyboardInterrupt:  # Ctrl-C before main() can take it
+        print("\ninterrupted", file=sys.stderr)
+        sys.exit(130)
     sys.exit(main())

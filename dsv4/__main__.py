@@ -2,6 +2,9 @@
 
 import sys
 
-from dsv4.cli import main
-
+try:
+    from dsv4.cli import main
+except KeyboardInterrupt:  # Ctrl-C before main() can take it
+    print("\ninterrupted", file=sys.stderr)
+    sys.exit(130)
 sys.exit(main(prog="python -m dsv4"))

@@ -15,7 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 DESCRIPTION = """\
@@ -347,6 +350,28 @@ def status(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+class PrefillProgress:
+    """Engine.on_prefill for a terminal: "prefill N/M tokens" on stderr, rewritten in place, once a prompt has taken
+    longer than `after` seconds (short prompts print nothing); erased when the prefill ends, before the reply."""
+
+    def __init__(self, after: float = 1.0):
+        self.after, self.t0, self.shown = after, None, False
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.perf_counter()
+        if self.t0 is None:  # a request's first chunk is done: the clock starts
+            self.t0 = now
+        if done < total and (self.shown or now - self.t0 >= self.after):
+            sys.stderr.write(f"\rprefill {done}/{total} tokens")
+            sys.stderr.flush()
+            self.shown = True
+        elif done >= total:
+            if self.shown:
+                sys.stderr.write("\r\033[K")
+                sys.stderr.flush()
+            self.t0, self.shown = None, False
+
+
 # ---- run -----------------------------------------------------------------------------------------
 
 
@@ -465,9 +490,10 @@ def run(args) -> int:
                          f"{info.max_positions}")
     for note in no_effect_notes(args, info.release, devices):
         status(f"note: {note}")
-    if messages:  # encode before loading: a conversation that cannot fit fails in a second, not minutes
+    if messages or raw_prompt is not None:  # encode before loading: a prompt that cannot fit fails in a second
         effort = args.reasoning_effort if mode == "thinking" else None
-        n = len(encode_conversation(info.tokenizer, info.release, messages, mode, effort))
+        n = len(encode_conversation(info.tokenizer, info.release, messages, mode, effort) if messages
+                else info.tokenizer.encode(raw_prompt))
         if n >= max_context:
             raise EngineError(f"the prompt is {n} tokens but the context holds {max_context} (prompt + new "
                               "tokens); raise the max context (--max-context) or shorten the prompt")
@@ -484,6 +510,8 @@ def run(args) -> int:
     from dsv4 import ops
 
     status(ops.banner(engine.kernels))
+    if sys.stderr.isatty():
+        engine.on_prefill = PrefillProgress()
     session = Session(args, engine, mode, engine.with_defaults(**overrides))
     if args.raw:
         return session.finish(session.raw(raw_prompt))
@@ -536,7 +564,10 @@ class Session:
         return 130 if result.finish_reason == "interrupted" else 0
 
     def chat(self, history: list[dict]) -> int:
-        """The --interactive loop: a turn whenever the conversation ends with a user or tool message."""
+        """The --interactive loop: a turn whenever the conversation ends with a user or tool message (one that no
+        longer fits the context is dropped with an error line; the chat goes on)."""
+        from dsv4.engine import ContextLengthError
+
         base = [m for m in history if m["role"] == "system"]
         tty = sys.stdin.isatty()
         if tty:
@@ -544,13 +575,19 @@ class Session:
                    "tool result, /exit or Ctrl-D ends it")
         while True:
             if history and history[-1]["role"] in ("user", "tool", "developer"):
-                result = self.turn(history, reuse=True)
-                if result.finish_reason == "interrupted":
+                try:
+                    result = self.turn(history, reuse=True)
+                except ContextLengthError as e:  # raised before any forward: the state is as it was
                     while history and history[-1]["role"] in ("user", "tool"):
-                        history.pop()  # the turn is dropped: the state no longer matches it
-                    status("(interrupted: that turn is dropped; Ctrl-C at the prompt or Ctrl-D ends the chat)")
+                        history.pop()
+                    status(f"error: {describe(e)} (that message is dropped; /reset clears the conversation)")
                 else:
-                    history.append(result.message())
+                    if result.finish_reason == "interrupted":
+                        while history and history[-1]["role"] in ("user", "tool"):
+                            history.pop()  # the turn is dropped: the state no longer matches it
+                        status("(interrupted: that turn is dropped; Ctrl-C at the prompt or Ctrl-D ends the chat)")
+                    else:
+                        history.append(result.message())
             try:
                 line = input("> ") if tty else (sys.stdin.readline() or None)
             except EOFError:
@@ -593,11 +630,33 @@ def describe(e: BaseException) -> str:
     return text[0] if text else type(e).__name__
 
 
+def import_engine() -> None:
+    """Import the engine (and torch with it) with SIGINT held back: a Ctrl-C inside `import torch` can be swallowed
+    there (the run then goes on to its end) or abort the process; held, it arrives once the imports are done, where
+    the caller's handler turns it into "interrupted"."""
+    hold = hasattr(signal, "pthread_sigmask") and threading.current_thread() is threading.main_thread()
+    if hold:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        import dsv4.engine  # noqa: F401
+    finally:
+        if hold:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def main(argv=None, prog: str | None = None) -> int:
-    args = build_parser(prog).parse_args(argv)
+    try:
+        args = build_parser(prog).parse_args(argv)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    if sys.stdout is None:  # started with standard output closed: nowhere to write the reply
+        print("error: standard output is closed", file=sys.stderr)
+        return 1
     if hasattr(sys.stdout, "reconfigure"):  # never die on a terminal that cannot show a character
         sys.stdout.reconfigure(errors="replace")
     try:
+        import_engine()
         return run(args)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)

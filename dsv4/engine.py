@@ -305,6 +305,9 @@ class Engine:
             if prefill_graphs and max_context > 2 * PREFILL_CHUNK and prefill_graphs_apply():
                 self.prefill = PrefillRunner(model, self.state, PREFILL_CHUNK)
 
+    # called after each prefill chunk with (prompt tokens done, prompt tokens to prefill) (the CLI's progress line)
+    on_prefill: Callable[[int, int], None] | None = None
+
     # Engine.complete queues each decode step on the last step's sample while it is still on the device. False (a
     # diagnostic, not a second release path): the host reads each token before launching the next step, the loop the
     # GPU test checks this one against and the A/B runs time it against
@@ -547,6 +550,8 @@ class Engine:
                     logits = self.model(chunk, self.state, last_only=True)
                 else:
                     self.model.forward_streams(chunk, self.state)
+                if self.on_prefill is not None:
+                    self.on_prefill(min(s + PREFILL_CHUNK, P) - start, P - start)
             generator = make_generator(params, logits.device)
             # one step ahead (graphs, no log-probabilities, from the second token on: the first is read before any
             # step is launched, so the time to first token holds no launch): the next step is queued on the sampled

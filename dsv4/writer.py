@@ -653,7 +653,9 @@ def write_checkpoint(
     if missing_tok:
         raise ValueError(f"tokenizer directory {tok_dir} lacks {', '.join(missing_tok)}")
     out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output directory {out} exists and is not a directory")
+    if out.exists() and any(out.iterdir()):
         raise ValueError(f"output directory {out} exists and is not empty")
 
     spec = expected_tensors(cfg, with_mtp=True)

@@ -239,6 +239,31 @@ def test_prompt_longer_than_context(capsys, env):
         "raise the max context (--max-context) or shorten the prompt")
 
 
+def test_raw_prompt_longer_than_context_fails_before_the_load(capsys, env):
+    n = len(load_tokenizer().encode("word " * 40))
+    code, out, err = call_main(capsys, "--raw", "--prompt", "word " * 40, "--max-context", "16")
+    assert (code, out) == (1, "") and "loading" not in err
+    assert err == (f"error: the prompt is {n} tokens but the context holds 16 (prompt + new tokens); raise the max "
+                   "context (--max-context) or shorten the prompt\n")
+
+
+def test_interactive_turn_longer_than_context_is_dropped(capsys, env, script, monkeypatch):
+    import io
+
+    script("Hi!" + EOS)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("word " * 80 + "\nHello\n"))
+    code, out, err = call_main(capsys, "-i", "--thinking-mode", "chat", "--json", *FAST, "--max-context", "64")
+    assert code == 0, err
+    assert [json.loads(line)["content"] for line in out.splitlines()] == ["Hi!"]  # the chat went on
+    assert "tokens but the context holds 64" in err and "(that message is dropped; /reset clears" in err
+
+
+def test_closed_stdout_is_one_line(env):
+    r = subprocess.run([sys.executable, "single_shot_inference.py", "Hi", *FAST], cwd=ROOT, env=env, stdout=None,
+                       stderr=subprocess.PIPE, text=True, timeout=300, preexec_fn=lambda: os.close(1))
+    assert (r.returncode, r.stderr) == (1, "error: standard output is closed\n")
+
+
 def test_context_beyond_the_model(capsys, env):
     code, out, err = call_main(capsys, "--prompt", "Hello", "--max-context", "100000")
     assert (code, out) == (2, "") and "loading" not in err  # checked against config.json, before the load
@@ -422,7 +447,7 @@ def test_messages_and_tools_files(capsys, env, tmp_path, script):
     ('[{"role": "bot", "content": "x"}]', "error: --messages[0]: role 'bot' is not one of system, developer, user, "
                                           "assistant, tool"),
     ('[{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]',
-     "error: --messages: the last message is a assistant message; the reply is generated after a user or tool "
+     "error: --messages: the last message is an assistant message; the reply is generated after a user or tool "
      "message (add one, or pass the user's text with --prompt)"),
     ('[{"role": "user", "content": [{"type": "image_url"}]}]',
      "error: --messages[0].content[0]: only text parts are supported, got 'image_url'"),
@@ -757,3 +782,18 @@ def test_kernels_option(env):
     banner = [line for line in r.stderr.splitlines() if line.startswith("kernels: ")]
     assert len(banner) == 1
     assert "ref (Triton on CPU needs TRITON_INTERPRET=1): linear" in banner[0], banner[0]
+
+
+def test_prefill_progress_shows_long_prefills_only(monkeypatch, capsys):
+    clock = iter([0.0, 0.5, 0.9, 10.0, 10.2, 11.5, 20.0, 20.3, 22.0])
+    monkeypatch.setattr(cli.time, "perf_counter", lambda: next(clock))
+    p = cli.PrefillProgress(after=1.0)
+    for done in (128, 256, 300):  # 0.9 s in all: nothing shown, nothing to erase
+        p(done, 300)
+    assert capsys.readouterr().err == ""
+    for done in (128, 256, 384, 400):  # past 1 s from the first chunk: shown in place, then erased
+        p(done, 400)
+    assert capsys.readouterr().err == "\rprefill 384/400 tokens\r\033[K"
+    p(64, 100)  # the next request's clock starts afresh
+    p(100, 100)
+    assert capsys.readouterr().err == ""

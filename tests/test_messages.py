@@ -54,7 +54,7 @@ def test_openai_conventions():
       {"role": "tool", "content": "z"}],
      "messages[1].tool_calls[0]: function.arguments must be a JSON object (as a string or an object), got '[1]'"),
     ([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
-     "messages: the last message is a assistant message; the reply is generated after a user or tool message "
+     "messages: the last message is an assistant message; the reply is generated after a user or tool message "
      "(add one, or pass the user's text with --prompt)"),
 ])
 def test_message_errors(messages, error):

@@ -51,3 +51,34 @@ def test_score_says_how_its_defaults_differ_from_the_command():
 def test_cuda_tools_say_so():
     assert "Needs a CUDA GPU (exit 2 without one)." in help_text("detect_sync.py")
     assert "Runs on CPU or CUDA." in help_text("score.py")
+
+
+def run_tool(tool: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, f"tools/{tool}", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("tool", ["ab_compare.py", "ab_trees.py", "bench_decode.py", "bench_ops.py", "detect_sync.py",
+                                  "score.py", "make_checkpoint.py"])
+def test_argument_errors_are_one_line(tool):
+    r = run_tool(tool, "--bogus")  # (tools with required options name those first)
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1, r.stderr
+    assert re.search(r"error: (unrecognized arguments: --bogus|the following arguments are required)", r.stderr)
+
+
+@pytest.mark.parametrize("tool, args, message", [
+    ("ab_compare.py", ["--model", "/nonexistent/dsv4", "--device", "cpu"],
+     "error: checkpoint /nonexistent/dsv4: no such file or directory"),
+    ("score.py", ["--model", "/nonexistent/dsv4", "--input", "IDS", "--output", "/nonexistent/o.npy"],
+     "error: --output /nonexistent/o.npy: folder /nonexistent does not exist"),
+    ("make_checkpoint.py", ["--config", "tiny", "--out", "tools/score.py"],
+     "make_checkpoint: error: output directory tools/score.py exists and is not a directory"),
+    ("ab_trees.py", ["--device", "cpu", "--tiny", "--workdir", "tools/score.py"],
+     "error: --workdir tools/score.py is not a folder"),
+    ("ab_trees.py", ["--contexts", "abc"], "error: --contexts must be a comma list of integers, got 'abc'"),
+])
+def test_user_errors_are_one_line(tool, args, message, tmp_path):
+    (tmp_path / "ids.json").write_text("[0, 5, 7]")
+    r = run_tool(tool, *[str(tmp_path / "ids.json") if a == "IDS" else a for a in args])
+    assert r.returncode == 2 and r.stderr.rstrip("\n").splitlines()[-1] == message and "Traceback" not in r.stderr, \
+        r.stderr

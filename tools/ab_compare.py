@@ -26,9 +26,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dsv4.cli import Parser  # noqa: E402  (argparse errors in one line)
+
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    p = Parser(
         description="Compare every op's fast backend with its reference, in lockstep, on a model "
                     "(prefill + N decode steps); exit 1 if an op is over tolerance.")
     p.add_argument("--model", metavar="DIR", help="checkpoint directory (default: the demo model)")
@@ -291,8 +293,15 @@ def main(argv=None) -> int:
     from dsv4.loader import load_model
     from encoding import load_tokenizer
 
+    from dsv4.cli import describe
+    from dsv4.config import ConfigError
+    from dsv4.loader import CheckpointError
+
     path = Path(args.model) if args.model else demo_checkpoint()
-    model = load_model(path, numerics=args.numerics, dtype=torch.bfloat16, devices=[dev], progress=False)
+    try:
+        model = load_model(path, numerics=args.numerics, dtype=torch.bfloat16, devices=[dev], progress=False)
+    except (ConfigError, CheckpointError, OSError, ValueError) as e:
+        fail(describe(e))
     ids = [0] + load_tokenizer(path).encode(args.prompt)
     if len(ids) + args.tokens + 1 > model.cfg.max_position_embeddings:
         fail(f"prompt + --tokens exceed the model's {model.cfg.max_position_embeddings} positions")

@@ -43,6 +43,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's errors in one line (dsv4.cli.Parser's form; not imported from there: a worker must import the dsv4
+    of its own copy, not this checkout's)."""
+
+    def error(self, message):
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
 SKIP_DIRS = {"__pycache__", "build", "dist", "out"}
 MARKER = ".ab_trees"  # in every copy this tool makes: the only folders it deletes
 
@@ -230,7 +239,7 @@ def worker(args) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variant", action="append", default=[], metavar="NAME=PATCH",
                    help="a variant: this checkout with PATCH applied (repeatable; 'head' always runs)")
     p.add_argument("--env-variant", action="append", default=[], metavar="NAME=K=V[,K=V...]",
@@ -251,7 +260,10 @@ def main(argv=None) -> int:
     p.add_argument("--report-env", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     try:
-        ctxs = [int(c) for c in args.contexts.split(",")]
+        try:
+            ctxs = [int(c) for c in args.contexts.split(",")]
+        except ValueError:
+            raise ValueError(f"--contexts must be a comma list of integers, got {args.contexts!r}") from None
         if not ctxs or min(ctxs) < 2 or args.rounds < 1 or args.layers < 1 or args.replays < 1:
             raise ValueError("--contexts must be >= 2 and --rounds / --layers / --replays >= 1")
         if args.device != "cpu" and not args.device.startswith("cuda"):
@@ -274,6 +286,9 @@ def main(argv=None) -> int:
     if args.workdir and (Path(args.workdir).resolve() == ROOT or Path(args.workdir).resolve() in ROOT.parents):
         print(f"error: --workdir {Path(args.workdir).resolve()} holds this checkout: name a folder of its own",
               file=sys.stderr)
+        return 2
+    if args.workdir and Path(args.workdir).exists() and not Path(args.workdir).is_dir():
+        print(f"error: --workdir {args.workdir} is not a folder", file=sys.stderr)
         return 2
 
     import torch

@@ -59,6 +59,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dsv4.cli import Parser  # noqa: E402  (argparse errors in one line)
+
 FLOOR_GB_PER_TOKEN = 11.21  # PERFORMANCE.md §2.1 scenario A (official precisions, batch 1)
 
 
@@ -634,7 +636,7 @@ def short_kernel_name(name: str) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=4, help="first N layers of Flash (default 4: SWA, SWA, CSA, HCA)")
     p.add_argument("--device", default="cuda:0",
                    help="cuda device or comma list (layers split evenly) (default: cuda:0)")

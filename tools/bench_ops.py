@@ -28,9 +28,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dsv4.cli import Parser  # noqa: E402  (argparse errors in one line)
+
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    p = Parser(
         description="Per-op latency at Flash shapes (ref vs fast), bytes moved, GB/s and % of the device-copy "
                     "bandwidth measured in the same run. Needs CUDA.")
     p.add_argument("--device", default="cuda", help="CUDA device (default cuda)")

@@ -23,6 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from dsv4.cli import Parser  # noqa: E402  (argparse errors in one line)
+
 
 @dataclass
 class Violation:
@@ -195,7 +197,7 @@ def check_prefill(model, state, names: dict) -> list[Violation]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="Report host syncs, capture failures and device allocations "
+    p = Parser(description="Report host syncs, capture failures and device allocations "
                                             "in the CUDA-graph decode step; exit 1 on any. Needs a CUDA GPU "
                                             "(exit 2 without one).")
     p.add_argument("--model", help="checkpoint directory (default: a random tiny SWA/CSA/HCA model)")

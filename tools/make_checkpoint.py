@@ -137,8 +137,11 @@ def main(argv: list[str] | None = None) -> int:
             workers=args.workers,
             progress=True,
         )
-    except (ConfigError, ValueError) as e:
+    except (ConfigError, ValueError, OSError) as e:
         _fail(str(e).splitlines()[0])
+    except KeyboardInterrupt:
+        sys.stderr.write(f"\nmake_checkpoint: interrupted; {args.out} is incomplete (no index written): delete it\n")
+        return 130
     index = json.loads((out / "model.safetensors.index.json").read_text())
     n_shards = len(set(index["weight_map"].values()))
     size = index["metadata"]["total_size"]

@@ -16,9 +16,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dsv4.cli import Parser  # noqa: E402  (argparse errors in one line)
+
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    p = Parser(
         description="Write next-token logits [T, vocab] (float32 .npy) for a JSON list of token ids. Runs on CPU "
                     "or CUDA. Its defaults are for comparing against transformers and differ from the dsv4 "
                     "command's: --numerics exact (dsv4: reference), --dtype float32 (dsv4: bfloat16), "
@@ -62,6 +64,9 @@ def read_ids(path: str) -> list[int]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     ids = read_ids(args.input)
+    out_dir = Path(args.output).resolve().parent
+    if not out_dir.is_dir():  # before the forward pass, not after it
+        fail(f"--output {args.output}: folder {out_dir} does not exist")
     T = len(ids)
     prefill = T - 1 if args.prefill is None else args.prefill
     if args.mode == "incremental":
@@ -109,7 +114,10 @@ def main(argv=None) -> int:
                 p += 1
             logits = torch.cat(outs, 1)
     out = logits[0].float().cpu().numpy().astype(np.float32)
-    np.save(args.output, out)
+    try:
+        np.save(args.output, out)
+    except OSError as e:
+        fail(f"--output {args.output}: {e.strerror or e}")
     print(f"wrote {args.output} [{T}, {vocab}] float32 ({args.mode}, {args.numerics}, {args.dtype}); "
           f"load {t1 - t0:.1f}s, forward {time.perf_counter() - t1:.1f}s", file=sys.stderr)
     return 0
