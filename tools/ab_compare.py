@@ -221,11 +221,13 @@ def layer_kind(spec) -> str:
     return {0: "swa"}.get(spec.ratio, "csa" if spec.has_indexer else "hca")
 
 
-def run_model(model, ids: list[int], tokens: int, device, force: list[int] | None = None):
+def run_model(model, ids: list[int], tokens: int, device, force: list[int] | None = None, what: str = "run"):
     """Prefill (chunks of 128) + decode: (logits [tokens+1, V] fp32, the greedy pick of every step). Decode feeds
-    the greedy picks, or `force` (teacher forcing: another run's tokens, so that both runs see the same inputs)."""
+    the greedy picks, or `force` (teacher forcing: another run's tokens, so that both runs see the same inputs).
+    `what` names the run in the progress line on stderr."""
     import torch
 
+    print(f"{what}: prefill {len(ids)} tokens + {tokens} decode steps ...", file=sys.stderr, flush=True)
     state = model.new_state(len(ids) + tokens + 1)
     outs, gen = [], []
     with torch.no_grad():
@@ -315,15 +317,16 @@ def main(argv=None) -> int:
         layer.register_forward_hook(lambda m, a, o: setattr(hook, "kind", "model"))
     ops.set_hook(hook)
     try:
-        run_model(model, ids, args.tokens, dev)
+        run_model(model, ids, args.tokens, dev, what="1/3 lockstep (every selected op on the reference's inputs)")
     finally:
         ops.set_hook(None)
 
     # 2) each backend alone, end to end: the reference greedy, the fast run fed the reference's tokens
     ops.configure("ref", dtype_)
-    ref_logits, ref_tokens = run_model(model, ids, args.tokens, dev)
+    ref_logits, ref_tokens = run_model(model, ids, args.tokens, dev, what="2/3 the reference alone")
     report = ops.configure("fast", dtype_, {n: "ref" for n in ops.OPS if n not in selected})
-    fast_logits, fast_tokens = run_model(model, ids, args.tokens, dev, force=ref_tokens)
+    fast_logits, fast_tokens = run_model(model, ids, args.tokens, dev, force=ref_tokens,
+                                         what="3/3 the fast ops alone, on the reference's tokens")
     e2e = end_to_end(ref_logits, ref_tokens, fast_logits, fast_tokens)
     rows = sorted(hook.rows.values(), key=lambda r: (list(ops.OPS).index(r["op"]), r["layer"]))
     print(ops.banner(report))

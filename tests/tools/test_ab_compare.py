@@ -136,3 +136,6 @@ def test_demo_model_linear_interpreted_on_cpu(tmp_path):
     assert all(not row["over"] and row["calls"] > 0 for row in res["rows"])
     assert res["first_over"] is None and res["greedy_agree"]
     assert "first over tolerance: none" in r.stdout
+    phases = [line.split(":")[0] for line in r.stderr.splitlines() if " decode steps ..." in line]
+    assert phases == ["1/3 lockstep (every selected op on the reference's inputs)", "2/3 the reference alone",
+                      "3/3 the fast ops alone, on the reference's tokens"]  # progress while it runs
