@@ -351,25 +351,30 @@ def status(msg: str) -> None:
 
 
 class PrefillProgress:
-    """Engine.on_prefill for a terminal: "prefill N/M tokens" on stderr, rewritten in place, once a prompt has taken
-    longer than `after` seconds (short prompts print nothing); erased when the prefill ends, before the reply."""
+    """Engine.on_prefill for a terminal: "prefill N/M tokens" on stderr, rewritten in place, once a prompt's prefill
+    has run longer than `after` seconds (short prompts print nothing); erased when the prefill ends, before the reply,
+    or by clear() (a request that stopped half-way)."""
 
     def __init__(self, after: float = 1.0):
         self.after, self.t0, self.shown = after, None, False
 
     def __call__(self, done: int, total: int) -> None:
         now = time.perf_counter()
-        if self.t0 is None:  # a request's first chunk is done: the clock starts
-            self.t0 = now
-        if done < total and (self.shown or now - self.t0 >= self.after):
-            sys.stderr.write(f"\rprefill {done}/{total} tokens")
-            sys.stderr.flush()
-            self.shown = True
-        elif done >= total:
-            if self.shown:
-                sys.stderr.write("\r\033[K")
+        if self.t0 is None or done == 0:  # the prefill starts
+            self.t0, self.shown = now, False
+        if done < total:
+            if done and (self.shown or now - self.t0 >= self.after):
+                sys.stderr.write(f"\rprefill {done}/{total} tokens")
                 sys.stderr.flush()
-            self.t0, self.shown = None, False
+                self.shown = True
+        else:
+            self.clear()
+
+    def clear(self) -> None:
+        if self.shown:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+        self.t0, self.shown = None, False
 
 
 # ---- run -----------------------------------------------------------------------------------------
@@ -545,17 +550,28 @@ class Session:
                    f"or tool call (--json lists them under \"unparsed\"): {first!r}")
         status(stats_line(result))
 
+    def _clear_progress(self) -> None:
+        """Erase the prefill progress line of a request that stopped half-way (Ctrl-C, an error)."""
+        if isinstance(self.engine.on_prefill, PrefillProgress):
+            self.engine.on_prefill.clear()
+
     def turn(self, messages: list[dict], reuse: bool = False):
         printer = self._printer()
-        result = self.engine.generate(messages, self.mode, self.effort, self.params, on_delta=printer,
-                                      stop=self.args.stop, logprobs=self.args.logprobs, reuse_prefix=reuse)
+        try:
+            result = self.engine.generate(messages, self.mode, self.effort, self.params, on_delta=printer,
+                                          stop=self.args.stop, logprobs=self.args.logprobs, reuse_prefix=reuse)
+        finally:
+            self._clear_progress()
         self._report(result, printer)
         return result
 
     def raw(self, prompt: str):
         printer = self._printer(labels=False)
-        result = self.engine.generate_raw(prompt, self.params, on_delta=printer, stop=self.args.stop,
-                                          logprobs=self.args.logprobs)
+        try:
+            result = self.engine.generate_raw(prompt, self.params, on_delta=printer, stop=self.args.stop,
+                                              logprobs=self.args.logprobs)
+        finally:
+            self._clear_progress()
         self._report(result, printer)
         return result
 
@@ -635,13 +651,12 @@ def import_engine() -> None:
     there (the run then goes on to its end) or abort the process; held, it arrives once the imports are done, where
     the caller's handler turns it into "interrupted"."""
     hold = hasattr(signal, "pthread_sigmask") and threading.current_thread() is threading.main_thread()
-    if hold:
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if hold else None
     try:
         import dsv4.engine  # noqa: F401
     finally:
         if hold:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+            signal.pthread_sigmask(signal.SIG_SETMASK, before)  # as it was (SIGINT may have been blocked already)
 
 
 def main(argv=None, prog: str | None = None) -> int:

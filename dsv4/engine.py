@@ -305,7 +305,8 @@ class Engine:
             if prefill_graphs and max_context > 2 * PREFILL_CHUNK and prefill_graphs_apply():
                 self.prefill = PrefillRunner(model, self.state, PREFILL_CHUNK)
 
-    # called after each prefill chunk with (prompt tokens done, prompt tokens to prefill) (the CLI's progress line)
+    # called with (prompt tokens done, prompt tokens to prefill) before the prefill and after each chunk (the CLI's
+    # progress line)
     on_prefill: Callable[[int, int], None] | None = None
 
     # Engine.complete queues each decode step on the last step's sample while it is still on the device. False (a
@@ -540,6 +541,8 @@ class Engine:
         t_first = None
         try:
             # Only the last position's logits are needed: the LM head runs once, after the last chunk.
+            if self.on_prefill is not None:
+                self.on_prefill(0, P - start)
             for s in range(start, P, PREFILL_CHUNK):
                 chunk = ids[:, s:s + PREFILL_CHUNK]
                 if self.prefill is not None and self.prefill.applies(chunk.shape[1], s):

@@ -131,7 +131,8 @@ def normalize_messages(messages, tools: list[dict] | None = None, *, where: str 
         out.append(msg)
     last = out[-1]["role"]
     if last not in ("user", "tool", "developer"):
-        raise MessageError(f"{where}: the last message is {'an' if last[0] in 'aeiou' else 'a'} {last} message; the reply is generated after a "
+        article = "an" if last[0] in "aeiou" else "a"
+        raise MessageError(f"{where}: the last message is {article} {last} message; the reply is generated after a "
                            "user or tool message (add one, or pass the user's text with --prompt)")
     if tools:
         if any(m.get("tools") for m in out):

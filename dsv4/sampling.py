@@ -38,7 +38,8 @@ class SamplingParams:
             raise ValueError(f"top-k must be an integer >= 0 (0 disables it), got {self.top_k}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max-new-tokens must be an integer >= 1, got {self.max_new_tokens}")
-        if self.seed is not None and not (isinstance(self.seed, int) and -(1 << 63) <= self.seed < 1 << 64):
+        if self.seed is not None and not (isinstance(self.seed, int) and not isinstance(self.seed, bool)
+                                          and -(1 << 63) <= self.seed < 1 << 64):
             raise ValueError(f"seed must be an integer in [-2^63, 2^64) (a torch generator's seed), got {self.seed!r}")
 
     @property
@@ -79,8 +80,8 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     if params.top_p < 1.0:
         sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
         mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
-        # keep an id while the mass of the strictly more likely ids is still short of top_p, and always the first (a
-        # top_p below fp32's smallest number compares as 0)
+        # keep an id while the mass of the ids before it in the sorted order (equal ones in the sort's order) is still
+        # short of top_p, and always the first (a top_p below fp32's smallest number compares as 0)
         keep = mass_before < params.top_p
         keep[..., 0] = True
         sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))

@@ -785,15 +785,19 @@ def test_kernels_option(env):
 
 
 def test_prefill_progress_shows_long_prefills_only(monkeypatch, capsys):
-    clock = iter([0.0, 0.5, 0.9, 10.0, 10.2, 11.5, 20.0, 20.3, 22.0])
+    clock = iter([0.0, 0.5, 0.9, 10.0, 10.4, 11.2, 12.0, 20.0, 20.5, 21.6, 30.0, 30.3])
     monkeypatch.setattr(cli.time, "perf_counter", lambda: next(clock))
     p = cli.PrefillProgress(after=1.0)
-    for done in (128, 256, 300):  # 0.9 s in all: nothing shown, nothing to erase
+    for done in (0, 128, 300):  # 0.9 s in all: nothing shown, nothing to erase
         p(done, 300)
     assert capsys.readouterr().err == ""
-    for done in (128, 256, 384, 400):  # past 1 s from the first chunk: shown in place, then erased
+    for done in (0, 128, 256, 400):  # past 1 s from the start: shown in place, then erased
         p(done, 400)
-    assert capsys.readouterr().err == "\rprefill 384/400 tokens\r\033[K"
-    p(64, 100)  # the next request's clock starts afresh
+    assert capsys.readouterr().err == "\rprefill 256/400 tokens\r\033[K"
+    for done in (0, 128, 256):  # a request stopped half-way (Ctrl-C): the session clears the line
+        p(done, 400)
+    p.clear()
+    assert capsys.readouterr().err == "\rprefill 256/400 tokens\r\033[K"
+    p(0, 100)  # the next request's clock starts afresh
     p(100, 100)
     assert capsys.readouterr().err == ""

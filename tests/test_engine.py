@@ -102,12 +102,13 @@ def test_on_prefill_reports_each_chunk(model, tokenizer):
     eng.on_prefill = lambda done, total: calls.append((done, total))
     first = prompt_ids(2 * PREFILL_CHUNK + 5, seed=3)
     out = eng.complete(first, GREEDY, reuse_prefix=True)
-    assert calls == [(PREFILL_CHUNK, len(first)), (2 * PREFILL_CHUNK, len(first)), (len(first), len(first))]
+    assert calls == [(0, len(first)), (PREFILL_CHUNK, len(first)), (2 * PREFILL_CHUNK, len(first)),
+                     (len(first), len(first))]
     calls.clear()  # a reused prefix: only the new tokens are counted
     second = first + out.token_ids + prompt_ids(7, seed=4)
     done = eng.complete(second, GREEDY, reuse_prefix=True)
     new = len(second) - done.cached_tokens
-    assert done.cached_tokens > 0 and calls == [(new, new)]
+    assert done.cached_tokens > 0 and calls == [(0, new), (new, new)]
 
 
 def test_state_is_reset_between_requests(engine):

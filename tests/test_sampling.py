@@ -116,6 +116,7 @@ def test_same_seed_same_tokens_different_seed_different_tokens():
     (dict(max_new_tokens=0), "max-new-tokens must be an integer >= 1"),
     (dict(seed=1 << 64), r"seed must be an integer in \[-2\^63, 2\^64\)"),
     (dict(seed=-(1 << 63) - 1), r"seed must be an integer in \[-2\^63, 2\^64\)"),
+    (dict(seed=True), r"seed must be an integer in \[-2\^63, 2\^64\)"),
 ])
 def test_invalid_params_are_rejected(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -198,8 +198,8 @@ def check_prefill(model, state, names: dict) -> list[Violation]:
 
 def main(argv=None) -> int:
     p = Parser(description="Report host syncs, capture failures and device allocations "
-                                            "in the CUDA-graph decode step; exit 1 on any. Needs a CUDA GPU "
-                                            "(exit 2 without one).")
+                           "in the CUDA-graph decode step; exit 1 on any. Needs a CUDA GPU "
+                           "(exit 2 without one).")
     p.add_argument("--model", help="checkpoint directory (default: a random tiny SWA/CSA/HCA model)")
     p.add_argument("--device", default="cuda:0",
                    help="cuda device, or a comma list to spread layers (default: cuda:0)")
