@@ -596,7 +596,9 @@ class Session:
                 except ContextLengthError as e:  # raised before any forward: the state is as it was
                     while history and history[-1]["role"] in ("user", "tool"):
                         history.pop()
-                    status(f"error: {describe(e)} (that message is dropped; /reset clears the conversation)")
+                    room = ("/reset clears the conversation" if any(m["role"] != "system" for m in history)
+                            else "it does not fit a fresh conversation either: shorten it or raise --max-context")
+                    status(f"error: {describe(e)} (that message is dropped; {room})")
                 else:
                     if result.finish_reason == "interrupted":
                         while history and history[-1]["role"] in ("user", "tool"):

@@ -255,7 +255,9 @@ def test_interactive_turn_longer_than_context_is_dropped(capsys, env, script, mo
     code, out, err = call_main(capsys, "-i", "--thinking-mode", "chat", "--json", *FAST, "--max-context", "64")
     assert code == 0, err
     assert [json.loads(line)["content"] for line in out.splitlines()] == ["Hi!"]  # the chat went on
-    assert "tokens but the context holds 64" in err and "(that message is dropped; /reset clears" in err
+    assert "tokens but the context holds 64" in err
+    assert "(that message is dropped; it does not fit a fresh conversation either: shorten it or raise " \
+           "--max-context)" in err
 
 
 def test_closed_stdout_is_one_line(env):
