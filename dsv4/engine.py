@@ -586,22 +586,19 @@ class Engine:
                 stop_text = on_token(token_id) if on_token is not None else False
                 if token_id in self.eos_ids or stop_text:
                     finish = "stop"
-                elif len(out) >= params.max_new_tokens:
+                    break
+                if len(out) >= params.max_new_tokens:
                     finish = "length"
-                elif P + len(out) >= self.max_context:
+                    break
+                if P + len(out) >= self.max_context:
                     finish = "context"
-                elif fed_last:
-                    token = sample(logits[:, -1], params, generator)
-                    continue
-                elif self.runner is not None:
-                    logits = self.runner.step(token_id, self.state.pos).view(1, 1, -1)
-                    token = sample(logits[:, -1], params, generator)
-                    continue
-                else:
-                    logits = self.model(token.view(1, 1).to(self.input_device), self.state, last_only=True)
-                    token = sample(logits[:, -1], params, generator)
-                    continue
-                break
+                    break
+                if not fed_last:  # feed the token now
+                    if self.runner is not None:
+                        logits = self.runner.step(token_id, self.state.pos).view(1, 1, -1)
+                    else:
+                        logits = self.model(token.view(1, 1).to(self.input_device), self.state, last_only=True)
+                token = sample(logits[:, -1], params, generator)
             # the last token was sampled; it was fed only when its step ran ahead
             self.state_ids = list(prompt_ids) + (out if fed_last else out[:-1])
         except KeyboardInterrupt:

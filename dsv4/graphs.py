@@ -3,8 +3,8 @@ full prefill chunks (two graphs per layer around an eager middle, `PrefillRunner
 
 All decode state lives preallocated on each layer's device (`ModelState`); the step's inputs (token id,
 position) reach every device through a ring of pinned host buffers and non-blocking copies into static
-tensors, or, for a token sampled on the device, through device copies (the position by `fill_`), and every position-dependent decision is made on the device, so one capture is right at
-every position. Residual streams hop devices between graphs without host syncs (stream waits only); on one
+tensors, or, for a token sampled on the device, through device copies (the position by `fill_`), and every
+position-dependent decision is made on the device, so one capture is right at every position. Residual streams hop devices between graphs without host syncs (stream waits only); on one
 device a graph reads the previous graph's output where it lies (no copy between them). With `use_graphs=False` the
 same step runs eagerly (the reference for the graphs).
 
