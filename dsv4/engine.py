@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from dsv4.config import ModelConfig
-from dsv4.sampling import SamplingParams, make_generator, sample
+from dsv4.sampling import SamplingParams, TokenSampler
 from encoding import (
     IncrementalDecoder, StreamDelta, StreamingParser, Tokenizer, encode_messages, load_tokenizer,
     normalize_release, release_from_config,
@@ -291,6 +291,8 @@ class Engine:
         from dsv4 import ops
 
         self.kernels = ops.active()  # op -> backend bound now (from_pretrained binds them first)
+        # a temperature alone is drawn by one launch of ops.sample_race where it runs fast (TokenSampler)
+        self.fast_race = self.kernels.get("sample_race") == "fast"
         model.prepare()
         self.runner = self.prefill = None
         if graphs and self.input_device.type == "cuda":
@@ -336,8 +338,8 @@ class Engine:
 
     def _warm_up(self) -> None:
         """Run one prefill chunk of each WARM_UP_CHUNKS length at position 0 and the WARM_UP_TAILS at each of
-        warm_up_positions() (the graphs' capture already ran the decode step), so that no kernel is compiled on a
-        request; the state is reset afterwards."""
+        warm_up_positions() (the graphs' capture already ran the decode step), and one draw of the fast sampler, so
+        that no kernel is compiled on a request; the state is reset afterwards."""
         runs = [(0, n) for n in self.WARM_UP_CHUNKS if n < self.max_context]
         runs += [(p + o, n) for p in self.warm_up_positions() for o, n in self.WARM_UP_TAILS
                  if p + o + n <= self.max_context]
@@ -347,6 +349,10 @@ class Engine:
                 self.state.pos = p
                 self.model(ids, self.state, last_only=True)
                 self.state.reset()
+            if self.fast_race:  # the sampler's one kernel
+                head = self.model.head.weight
+                TokenSampler(SamplingParams(seed=0), head.device, True)(
+                    torch.zeros(1, head.shape[0], dtype=torch.float32, device=head.device))
         self.state_ids = []
 
     @classmethod
@@ -555,7 +561,7 @@ class Engine:
                     self.model.forward_streams(chunk, self.state)
                 if self.on_prefill is not None:
                     self.on_prefill(min(s + PREFILL_CHUNK, P) - start, P - start)
-            generator = make_generator(params, logits.device)
+            sampler = TokenSampler(params, logits.device, self.fast_race)
             # one step ahead (graphs, no log-probabilities, from the second token on: the first is read before any
             # step is launched, so the time to first token holds no launch): the next step is queued on the sampled
             # token while it is still on the device, and the host reads the token (a pinned copy and its event) as
@@ -565,7 +571,7 @@ class Engine:
             # re-rendered text may no longer match and is prefilled whole)
             ahead = self.runner is not None and lps is None and self.step_ahead
             fed_last = False
-            token = sample(logits[:, -1], params, generator)
+            token = sampler(logits[:, -1])
             while True:
                 n = len(out) + 1  # tokens once this one is taken
                 if ahead and out and n < params.max_new_tokens and P + n < self.max_context:
@@ -598,7 +604,7 @@ class Engine:
                         logits = self.runner.step(token_id, self.state.pos).view(1, 1, -1)
                     else:
                         logits = self.model(token.view(1, 1).to(self.input_device), self.state, last_only=True)
-                token = sample(logits[:, -1], params, generator)
+                token = sampler(logits[:, -1])
             # the last token was sampled; it was fed only when its step ran ahead
             self.state_ids = list(prompt_ids) + (out if fed_last else out[:-1])
         except KeyboardInterrupt:

@@ -1,9 +1,12 @@
-"""Next-token sampling: `SamplingParams` (validated user knobs) and `sample(logits, params, generator)`.
+"""Next-token sampling: `SamplingParams` (validated user knobs), `sample(logits, params, generator)` and
+`TokenSampler` (one request's draws).
 
 Owns the token-choice policy only: greedy at temperature 0, otherwise temperature, top-k, top-p
 (nucleus), then one draw from a seeded `torch.Generator`. Everything stays on the logits' device;
 the only host sync of a decode step is the caller reading the chosen id, so the step can later be
 captured in a CUDA graph. Nothing here knows about the model, the tokenizer or stop conditions.
+A temperature alone (no top-k, no top-p: the checkpoint's default) may be drawn instead by the op
+`sample_race` (dsv4/ops/sample.py: one launch on counter-based noise) when its fast backend is bound.
 """
 
 from __future__ import annotations
@@ -102,3 +105,34 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     # (about 2^-24 per element) would make 0/0 = NaN, which argmax prefers: clamp it away.
     race = torch.empty_like(probs).exponential_(1.0, generator=generator).clamp_min_(torch.finfo(probs.dtype).tiny)
     return (probs / race).argmax(dim=-1)
+
+
+def race_applies(params: SamplingParams, vocab: int) -> bool:
+    """Whether `params` draw from softmax(logits / temperature) unfiltered: what ops.sample_race computes."""
+    return not params.greedy and params.top_p >= 1.0 and not 0 < params.top_k < vocab
+
+
+class TokenSampler:
+    """One request's draws: `sampler(logits [B, V]) -> ids [B]` on the logits' device, no host sync.
+
+    `fast_race` (the engine: ops.sample_race runs its fast backend): where race_applies, each draw is one launch of
+    ops.sample_race keyed by the generator's seed and the draw's index (the same seed, the same tokens; another
+    random stream than `sample`'s). Otherwise `sample` with the request's generator.
+    """
+
+    def __init__(self, params: SamplingParams, device: torch.device | str, fast_race: bool = False):
+        self.params = params
+        self.generator = make_generator(params, device)
+        self.seed = self.generator.initial_seed() & ((1 << 64) - 1)
+        self.fast_race = fast_race
+        self.calls = 0
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.fast_race and logits.dim() == 2 and race_applies(self.params, logits.shape[-1]):
+            from dsv4 import ops
+
+            out = ops.sample_race(logits.float(), self.params.temperature, self.seed, self.calls)
+        else:
+            out = sample(logits, self.params, self.generator)
+        self.calls += 1
+        return out

@@ -387,13 +387,13 @@ def script(monkeypatch):
         ids = [t for text in texts for t in tok.encode(text)]
         calls = iter(range(10**6))
 
-        def fake_sample(logits, params, generator=None):
+        def fake_draw(sampler, logits):
             i = next(calls)
             if i == interrupt_at:
                 raise KeyboardInterrupt
             return torch.tensor([ids[i]], device=logits.device)
 
-        monkeypatch.setattr("dsv4.engine.sample", fake_sample)
+        monkeypatch.setattr("dsv4.sampling.TokenSampler.__call__", fake_draw)
         return ids
 
     return setup

@@ -291,6 +291,16 @@ def test_timings_are_finite(engine):
     assert set(t) == {"load_s", "ttft_s", "prefill_tok_s", "decode_s", "decode_tok_s"}
 
 
+@pytest.fixture
+def race_fast():
+    # the reference ops, but ops.sample_race on its Triton kernel (TokenSampler's bare-temperature draws)
+    from dsv4 import ops
+
+    ops.configure("ref", "cuda", {"sample_race": "fast"})
+    yield
+    ops.configure("ref", "cpu")
+
+
 def _graph_and_eager_engines(tokenizer, seed: int, max_context: int) -> tuple[Engine, Engine]:
     # one random tiny CSA / SWA / HCA model on cuda:0 behind an engine with CUDA graphs and one without
     raw = tiny_config([4, 0, 16], n_mtp=0, vocab=VOCAB, max_pos=1024)
@@ -346,8 +356,8 @@ def test_prefill_graphs_generate_what_eager_prefill_generates(tokenizer):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_requests_compile_no_kernel_after_load(tokenizer):
-    # the warm-up at load (Engine._warm_up: chunk lengths at position 0, a full chunk and a tail at each power of two)
-    # and the unspecialized eager variants of the indexer's kernels (triton_util.JitTwins) leave nothing to compile:
+    # the warm-up at load (Engine._warm_up: chunk lengths at position 0, a full chunk and a tail at each power of two,
+    # one draw of the race sampler) and the unspecialized eager variants of the indexer's kernels (triton_util.JitTwins) leave nothing to compile:
     # prompts of any length, ending anywhere in the context, start at once
     from dsv4 import ops
     from dsv4.testing import triton_kernels_compiled
@@ -363,6 +373,8 @@ def test_requests_compile_no_kernel_after_load(tokenizer):
         assert sum(before.values()) > 0  # the load compiled them
         for n in (777, 130, 129, 258, 1000, 3, 1411, 1900, 44):
             eng.generate_ids(prompt_ids(n, n), SamplingParams(temperature=0, max_new_tokens=2))
+        assert eng.fast_race  # a bare temperature draws through ops.sample_race, compiled at load too
+        eng.generate_ids(prompt_ids(9, 9), SamplingParams(temperature=0.8, seed=1, max_new_tokens=3))
         after = triton_kernels_compiled()
         assert {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)} == {}
     finally:
@@ -551,20 +563,24 @@ def test_cuda_graph_decode_with_prefix_reuse_logprobs_and_stop(tokenizer):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_decode_steps_ahead_generate_what_host_fed_steps_generate(tokenizer):
+def test_decode_steps_ahead_generate_what_host_fed_steps_generate(tokenizer, race_fast):
     # Engine.step_ahead queues each decode step on the device-side sample: the same tokens as feeding each token
-    # from the host, greedy and sampled; a step that ran ahead of an EOS leaves that token in the state, and a
-    # request reusing the prefix takes it from there
+    # from the host, greedy and sampled (a top-p draw by torch's sampler, a bare temperature by the race kernel); a
+    # step that ran ahead of an EOS leaves that token in the state, and a request reusing the prefix takes it from
+    # there
     eng, fresh = _graph_and_eager_engines(tokenizer, 2, 512)
+    assert eng.fast_race and fresh.fast_race
     first = prompt_ids(140, 8)
+    bare = SamplingParams(temperature=1.0, seed=5, max_new_tokens=24)
     runs = {}
     for ahead in (True, False):
         eng.step_ahead = ahead
         runs[ahead] = [eng.complete(first, p) for p in (SamplingParams(temperature=0.0, max_new_tokens=24),
                                                         SamplingParams(temperature=0.8, top_p=0.9, seed=5,
-                                                                       max_new_tokens=24))]
+                                                                       max_new_tokens=24), bare)]
     for a, b in zip(runs[True], runs[False]):
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason == "length"
+    assert runs[True][2].token_ids == fresh.complete(first, bare).token_ids  # graphs == eager, draw for draw
     greedy = runs[True][0].token_ids
     # an EOS that first appears past the first few tokens and before the last (whose step never runs ahead)
     k = next((i for i in range(4, len(greedy) - 1) if greedy[i] not in greedy[:i]), None)

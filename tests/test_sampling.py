@@ -1,5 +1,6 @@
 """Sampler contract: greedy, temperature, top-k (exactly k), top-p (smallest set reaching the mass),
-seeded determinism, and parameter validation. Pure CPU, hand-made distributions."""
+seeded determinism, and parameter validation; which draws TokenSampler hands to the race op. CPU, hand-made
+distributions (the race op's Triton kernel interpreted)."""
 
 import math
 from dataclasses import replace
@@ -7,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from dsv4.sampling import SamplingParams, make_generator, sample, sampling_probs
+from dsv4.sampling import SamplingParams, TokenSampler, make_generator, race_applies, sample, sampling_probs
 
 
 def _logits(probs):
@@ -126,3 +127,36 @@ def test_invalid_params_are_rejected(kwargs, message):
 def test_sample_rejects_wrong_rank():
     with pytest.raises(ValueError, match=r"logits must be \[batch, vocab\]"):
         sample(torch.zeros(1, 1, 10), SamplingParams(temperature=0))
+
+
+def test_token_sampler_draws_as_sample_does_without_the_race():
+    logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(5))
+    for p in (SamplingParams(seed=11), SamplingParams(temperature=0.8, top_p=0.9, seed=11), SamplingParams(0.0)):
+        ts, gen = TokenSampler(p, "cpu"), make_generator(p, "cpu")
+        for _ in range(4):
+            assert torch.equal(ts(logits), sample(logits, p, gen))
+
+
+def test_token_sampler_hands_a_bare_temperature_to_the_race_op():
+    from dsv4 import ops
+
+    logits = torch.randn(1, 300, generator=torch.Generator().manual_seed(6))
+    calls = []
+    ops.set_hook(lambda op, a, k: (calls.append((op.name, *a[1:])), op.ref(*a, **k))[1])
+    try:
+        for p in (SamplingParams(temperature=0.7, seed=-3), SamplingParams(seed=9, top_k=300)):
+            ts = TokenSampler(p, "cpu", fast_race=True)
+            got = [ts(logits) for _ in range(3)]
+            assert ts.seed == (p.seed % 2**64)  # the generator's seed, as an unsigned 64-bit word
+            assert calls == [("sample_race", p.temperature, ts.seed, c) for c in range(3)]
+            calls.clear()
+            again = TokenSampler(p, "cpu", fast_race=True)
+            assert [again(logits) for _ in range(3)] == got  # the same seed, the same draws
+            calls.clear()
+        # a filter or greedy keeps the torch sampler (and its generator's stream)
+        for p in (SamplingParams(top_p=0.9, seed=1), SamplingParams(top_k=5, seed=1), SamplingParams(0.0)):
+            ts, gen = TokenSampler(p, "cpu", fast_race=True), make_generator(p, "cpu")
+            assert not race_applies(p, 300)
+            assert torch.equal(ts(logits), sample(logits, p, gen)) and calls == []
+    finally:
+        ops.set_hook(None)

@@ -76,8 +76,8 @@ def _nbytes(*ts) -> int:
 
 
 def build_cases(dev):
-    """name -> (op name, make(M) -> (args tuple, bytes moved)[, fast fn[, ref fn]]): a twin or chain overrides the
-    dispatching op."""
+    """name -> (op name, make(M) -> (args tuple, bytes moved)[, fast fn (None: the op's)[, ref fn]]): a twin or chain
+    overrides the dispatching op."""
     import torch
 
     from dsv4 import formats
@@ -171,6 +171,18 @@ def build_cases(dev):
         return (z, ph), _nbytes(head, z) + M * 129280 * 4
     cases["head"] = ("head", make_head)
     cases.update(moe_cases(dev, randn))
+
+    def make_logits(M):  # what the engine samples from: fp32 logits, a draw at a bare temperature
+        return (randn(M, 129280, std=3.0), 1.0, 12345, 0), M * (129280 * 4 + 8)
+
+    from dsv4.sampling import SamplingParams, sample
+
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(0)
+    # the reference column: torch's sampler (softmax, exponential draw, argmax), the path the race replaces (the
+    # op's own reference, torch Philox, is its spec, not a contender)
+    cases["sample.race"] = ("sample_race", make_logits, None,
+                            lambda lg, t, seed, call: sample(lg, SamplingParams(temperature=t), gen))
 
     def make_ffn_entry(M):
         # the FFN's entry as a decode step runs it: the boundary (mhc_post_pre_norm) writes x, the router reads it (the
@@ -567,7 +579,7 @@ def main(argv=None) -> int:
                  + ["wo_a", "wo_a.bf16", "mhc_pre_norm", "mhc_post_pre_norm", "mhc_pre_norm.triton",
                     "mhc_post_pre_norm.triton", "head", "moe_experts", "moe_experts.xq",
                     "moe_experts.triton", "router", "router.triton", "mhc_post_pre_norm+router",
-                    "mhc_post_pre_norm+router.triton"]
+                    "mhc_post_pre_norm+router.triton", "sample.race"]
                  + [n + t for n, _, _ in ATTN for t in ("", ".triton")]
                  + [n + t for n, _ in INDEXER for t in (".scores", ".scores.fp4", ".topk", ".topk.triton")]
                  + [f"{n}.topk.{kern}" for n, c in INDEXER
@@ -605,7 +617,7 @@ def main(argv=None) -> int:
     for name, (op_name, make, *override) in cases.items():  # override: (fast fn[, ref fn]) of a twin or a chain
         op = ops.OPS[op_name]
         fast_ok, why = op.fast_available("cuda")
-        fast_fn = override[0] if override else op.fast
+        fast_fn = override[0] if override and override[0] is not None else op.fast
         ref_fn = override[1] if len(override) > 1 else op.ref
         for M in ms:
             op_args, moved = make(M)

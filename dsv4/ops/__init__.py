@@ -200,11 +200,11 @@ def set_hook(hook: Callable | None) -> None:
 from dsv4.ops import (  # noqa: E402
     act_quant as _act_quant, head as _head, linear as _linear, mhc as _mhc, moe as _moe, norm as _norm,
     rope as _rope, sparse_attn as _sparse_attn, compressor as _compressor, indexer as _indexer,
-    hadamard as _hadamard, plan as _plan,
+    hadamard as _hadamard, plan as _plan, sample as _sample,
 )
 
 for _mod in (_act_quant, _linear, _norm, _rope, _mhc, _compressor, _hadamard, _indexer, _sparse_attn, _moe, _head,
-             _plan):
+             _plan, _sample):
     _mod.register_ops(register)
 
 act_quant = _dispatcher("act_quant")
@@ -231,3 +231,4 @@ moe_post = _dispatcher("moe_post")
 moe_post_pre = _dispatcher("moe_post_pre")
 head = _dispatcher("head")
 step_plan = _dispatcher("step_plan")
+sample_race = _dispatcher("sample_race")

@@ -1,0 +1,150 @@
+"""The sampler's race (dsv4/ops/sample.py, dsv4/ops/sample_triton.py): Philox against its published answers, the
+Triton noise and draws against the reference (interpreted on the CPU at small vocabularies, Flash's on a GPU), the
+draws' distribution, ties, NaN and -inf logits, the arguments' checks."""
+
+import math
+
+import pytest
+import torch
+
+from dsv4.ops.sample import philox4x32, race_noise_ref, race_temperature, sample_race_ref
+from dsv4.testing import assert_bitwise_equal, assert_close_rel, tol
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+pytestmark = [pytest.mark.gpu] if CUDA else []
+
+
+def _fast():
+    try:
+        from dsv4.ops import sample_triton
+    except ImportError:
+        pytest.skip("Triton is not installed")
+    return sample_triton
+
+
+def test_philox_matches_random123_answers():
+    # Random123's known-answer vectors for Philox4x32-10 (counter, key -> output)
+    cases = [((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+             ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+             ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+              (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))]
+    for ctr, key, want in cases:
+        assert tuple(int(w) for w in philox4x32(*ctr, *key)) == want
+
+
+def test_reference_noise_is_exponential():
+    e = race_noise_ref(8, 1 << 15, seed=42, call=7).double().exp().flatten()
+    n = e.numel()
+    s = e.sort().values
+    ks = ((1 - torch.exp(-s)) - torch.arange(1, n + 1, dtype=torch.float64) / n).abs().max().item()
+    assert ks < 1.63 / math.sqrt(n)  # Kolmogorov-Smirnov at the 1% level
+    assert abs(e.mean().item() - 1) < 4 / math.sqrt(n) and e.min() > 0 and torch.isfinite(e).all()
+    # log(E) within 2^-22 of its size against float64 log(-log(u)), the small E (u near 1: the series) included
+    w, *_ = philox4x32(torch.arange(1 << 15), 0, 7, 0, 42, 0)
+    u = (2 * (w >> 9) + 1).double() * 2.0**-24
+    exact = torch.log(-torch.log(u))
+    got = race_noise_ref(1, 1 << 15, seed=42, call=7)[0].double()
+    assert ((got - exact).abs() / exact.abs().clamp_min(1)).max() < 2.0**-22
+    assert exact.min() < -10  # E < 5e-5 among them
+
+
+try:  # a kernel that stores the race's noise words and log(E) (sample_triton's helpers) for the test below
+    import triton
+    import triton.language as tl
+
+    from dsv4.ops.sample_triton import _log_exp1, _philox_w0
+
+    @triton.jit
+    def _noise_kernel(w_ptr, le_ptr, V, row, seed_lo, seed_hi, call_lo, call_hi, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        zero = offs.to(tl.uint32) * 0
+        w = _philox_w0(offs.to(tl.uint32), zero + row, zero + call_lo.to(tl.uint32), zero + call_hi.to(tl.uint32),
+                       seed_lo.to(tl.uint32), seed_hi.to(tl.uint32))
+        tl.store(w_ptr + offs, w.to(tl.int32, bitcast=True), mask=offs < V)
+        tl.store(le_ptr + offs, _log_exp1(w), mask=offs < V)
+except ImportError:
+    _noise_kernel = None
+
+
+@pytest.mark.parametrize("seed, call, row", [(0, 0, 0), (2**64 - 1, 2**40 + 3, 2), (123456789123, 5, 1)])
+def test_fast_noise_matches_reference(seed, call, row):
+    if _noise_kernel is None:
+        pytest.skip("Triton is not installed")
+    V = 3000 if not CUDA else 129280
+    w = torch.empty(V, dtype=torch.int32, device=DEV)
+    le = torch.empty(V, dtype=torch.float32, device=DEV)
+    bit = 1 << 32
+    _noise_kernel[(-(-V // 1024),)](w, le, V, row, bit | (seed & 0xFFFFFFFF), bit | (seed >> 32),
+                                   bit | (call & 0xFFFFFFFF), bit | (call >> 32), BLOCK=1024)
+    ref_w, *_ = philox4x32(torch.arange(V), row, call & 0xFFFFFFFF, call >> 32, seed & 0xFFFFFFFF, seed >> 32)
+    assert_bitwise_equal(w.cpu(), ref_w.to(torch.int32), "Philox words")
+    assert_close_rel(le.cpu(), race_noise_ref(row + 1, V, seed, call)[row], "race_noise_log")
+
+
+def _check_draws(fast, logits, temperature, seed, call):
+    """fast vs reference draws, row by row, except rows whose two best reference keys lie within race_key_margin."""
+    got = fast(logits, temperature, seed, call)
+    want = sample_race_ref(logits, temperature, seed, call)
+    assert got.dtype == torch.int64 and got.shape == (logits.shape[0],)
+    key = logits.cpu() - race_temperature(temperature) * race_noise_ref(*logits.shape, seed, call)
+    top2 = key.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > tol("race_key_margin") * top2[:, 0].abs().clamp_min(1)
+    assert clear.any()
+    assert torch.equal(got.cpu()[clear], want.cpu()[clear]), (got, want, clear)
+    return got
+
+
+@pytest.mark.parametrize("B, V", [(1, 5000), (3, 2049), (2, 100)] if not CUDA else
+                         [(1, 129280), (4, 129280), (3, 2049), (1, 100)])
+def test_fast_draws_match_reference(B, V):
+    fast = _fast().sample_race
+    g = torch.Generator().manual_seed(B * V)
+    logits = (torch.randn(B, V, generator=g) * 3).to(DEV)
+    for temperature in (1.0, 0.6, 7.0, 1e35):
+        for seed, call in ((1, 0), (2**63 + 11, 1), (987654321987, 2**33 + 5)):
+            _check_draws(fast, logits, temperature, seed, call)
+    # the same arguments, the same token (the arrival counters were left at zero), and the draws move with the call
+    a = fast(logits, 1.0, 5, 3)
+    assert torch.equal(a, fast(logits, 1.0, 5, 3))
+    many = torch.stack([fast(logits, 1.0, 5, c) for c in range(8)])
+    assert len(set(many[:, 0].tolist())) > 1
+
+
+def test_draws_follow_the_distribution():
+    probs = torch.tensor([0.5, 0.25, 0.15, 0.1])
+    logits = (probs.log() * 0.7).repeat(20000, 1)  # at temperature 0.7: softmax(logits / 0.7) = probs
+    draws = sample_race_ref(logits, 0.7, seed=3, call=0)
+    freq = torch.bincount(draws, minlength=4).float() / 20000
+    assert (freq - probs).abs().max() < tol("race_frequency")
+
+
+def test_ties_nan_and_masked_logits():
+    fast = _fast().sample_race
+    # a temperature below fp32's range leaves the keys equal to the logits: the noise splits the largest ones' ties
+    tied = torch.tensor([[3.0, 7.0, 7.0, -2.0, 7.0]], device=DEV)
+    picks = [int(sample_race_ref(tied, 1e-300, 9, c)) for c in range(60)]
+    assert set(picks) == {1, 2, 4}
+    assert [int(fast(tied, 1e-300, 9, c)) for c in range(12)] == picks[:12]
+    # -inf (a filtered id) never wins; NaN always does (torch's argmax picks it)
+    masked = torch.full((1, 300), float("-inf"), device=DEV)
+    masked[0, 17] = masked[0, 250] = 0.0
+    for c in range(10):
+        for f in (fast, sample_race_ref):
+            assert int(f(masked, 1.0, 4, c)) in (17, 250)
+    nan = torch.zeros(2, 300, device=DEV)
+    nan[0, 123] = float("nan")
+    assert int(fast(nan, 1.0, 4, 0)[0]) == int(sample_race_ref(nan, 1.0, 4, 0)[0]) == 123
+
+
+@pytest.mark.parametrize("args, message", [
+    ((torch.zeros(2, 3, 4), 1.0, 0, 0), r"logits must be float32 \[batch, vocab\]"),
+    ((torch.zeros(2, 4, dtype=torch.bfloat16), 1.0, 0, 0), r"logits must be float32 \[batch, vocab\]"),
+    ((torch.zeros(2, 4), 0.0, 0, 0), "temperature must be > 0"),
+    ((torch.zeros(2, 4), 1.0, 1 << 64, 0), r"seed must be in \[0, 2\^64\)"),
+    ((torch.zeros(2, 4), 1.0, 0, -1), r"call in \[0, 2\^63\)"),
+])
+def test_bad_arguments_are_refused(args, message):
+    for f in (sample_race_ref, _fast().sample_race):
+        with pytest.raises(ValueError, match=message):
+            f(*args)
