@@ -14,14 +14,17 @@ alone and a fast kernel can make the same noise in any order:
 
 - Philox4x32-10 (Salmon et al. 2011, Random123's constants) with counter (index, row, call mod 2^32, call >> 32) and
   key (seed mod 2^32, seed >> 32); its first output word w.
-- u = (2 * (w >> 9) + 1) * 2^-24: 2^23 values, symmetric in (0, 1), exact in fp32, never 0 or 1.
-- E = -log(u) for u < 1/2; for u >= 1/2, with v = 1 - u (exact) and s = v / (2 - v) <= 1/3,
-  E = -log(1 - v) = 2 atanh(s) = 2 s (1 + s^2/3 + ... + s^14/15) (truncation below 2^-30 of E): a small E, the one
-  that lets a token win, keeps its relative precision whatever log does near 1.
+- v = fp32(w | 1) * 2^-32 (the odd word rounded to nearest even: exact below 2^24, in (0, 1], never 0), a uniform
+  whose resolution follows its size down to 2^-32.
+- E = -log(1 - v): for v <= 1/2 with s = v / (2 - v) <= 1/3, E = 2 atanh(s) = 2 s (1 + s^2/3 + ... + s^14/15)
+  (truncation below 2^-29 of E), so a small E, the one that lets a token win, keeps its relative precision down to
+  2.3e-10 whatever log does near 1; for v > 1/2, E = -log(max(1 - v, 2^-32)) (1 - v exact). log E lies in
+  [-22.2, 3.1]: a token whose probability is below e^-25.3 (1e-11) of the most likely one's can never win, at most
+  1.4e-6 of the mass at Flash's vocabulary.
 
 A NaN logit counts as +inf (it wins, as torch's argmax would pick it). The fast kernel computes the same fp32 formula;
-its log may differ from torch's by an ulp, so the two pick the same token except where the two best keys lie within a
-few ulps (the tests allow exactly that).
+the GPU may fuse its multiply-adds and round its log another way, so the two pick the same token except where the
+two best keys lie within a few ulps (the tests allow exactly that).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import struct
 
 import torch
 
-TEMPERATURE_CAP = 1e30  # temperature * |log E| <= 1e30 * 17: finite; past it x / T is < 1e-26 for any real logit
+TEMPERATURE_CAP = 1e30  # temperature * |log E| <= 1e30 * 23: finite; past it |x| / T < 1e-26 for logits below 1e4
 PHILOX_M = (0xD2511F53, 0xCD9E8D57)  # round multipliers
 PHILOX_W = (0x9E3779B9, 0xBB67AE85)  # key increments (the golden ratio, sqrt(3) - 1)
 _MASK32 = 0xFFFFFFFF
@@ -64,14 +67,18 @@ def race_noise_ref(B: int, V: int, seed: int, call: int, device="cpu") -> torch.
     idx = torch.arange(V, dtype=torch.int64, device=device)[None, :]
     row = torch.arange(B, dtype=torch.int64, device=device)[:, None]
     w, *_ = philox4x32(idx, row, call & _MASK32, (call >> 32) & _MASK32, seed & _MASK32, (seed >> 32) & _MASK32)
-    u = (2 * (w >> 9) + 1).to(torch.float32) * 2.0**-24
-    v = 1.0 - u
+    return log_exp1_ref(w)
+
+
+def log_exp1_ref(w: torch.Tensor) -> torch.Tensor:
+    """Philox words (uint32 values in int64) -> log(E) fp32, E ~ Exp(1) (the module docstring's steps)."""
+    v = (w | 1).to(torch.float32) * 2.0**-32
     s = v / (2.0 - v)
     s2 = s * s
     poly = torch.full_like(s, ATANH_COEFFS[0])
     for c in ATANH_COEFFS[1:]:
         poly = poly * s2 + c
-    e = torch.where(u < 0.5, -torch.log(u), 2.0 * s * poly)
+    e = torch.where(v <= 0.5, 2.0 * s * poly, -torch.log(torch.clamp_min(1.0 - v, 2.0**-32)))
     return torch.log(e)
 
 

@@ -14,6 +14,8 @@ with bit 32 set so that Triton types them as int64 whatever their value (one com
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -46,8 +48,7 @@ def _philox_w0(c0, c1, c2, c3, k0, k1):
 @triton.jit
 def _log_exp1(w):
     """log(E), E ~ Exp(1), from a uint32 word (sample.py's steps)."""
-    u = (2 * (w >> 9) + 1).to(tl.int32).to(tl.float32) * 5.9604644775390625e-08  # 2^-24
-    v = 1.0 - u
+    v = (w | 1).to(tl.float32) * 2.3283064365386963e-10  # 2^-32
     s = v / (2.0 - v)
     s2 = s * s
     p = _A0 * s2 + _A1
@@ -57,7 +58,7 @@ def _log_exp1(w):
     p = p * s2 + _A5
     p = p * s2 + _A6
     p = p * s2 + _A7
-    e = tl.where(u < 0.5, -tl.log(u), 2.0 * s * p)
+    e = tl.where(v <= 0.5, 2.0 * s * p, -tl.log(tl.maximum(1.0 - v, 2.3283064365386963e-10)))
     return tl.log(e)
 
 
@@ -77,7 +78,7 @@ def _race_kernel(l_ptr, sl, o_ptr, pk_ptr, pi_ptr, c_ptr, V, NB, temperature, se
     key = tl.where(key == key, key, float("inf"))  # NaN wins, as in torch's argmax
     key = tl.where(ok, key, float("-inf"))
     best = tl.max(key, axis=0)
-    le = tl.where(key == best, le, float("inf"))
+    le = tl.where(ok & (key == best), le, float("inf"))  # (an all -inf row: past V is no candidate)
     small = tl.min(le, axis=0)  # among the best keys the smallest log(E), then the lowest index
     at = tl.min(tl.where(le == small, offs, 2147483647), axis=0)
     tl.store(pk_ptr + (b * NB + j) * 2, best)
@@ -96,15 +97,22 @@ def _race_kernel(l_ptr, sl, o_ptr, pk_ptr, pi_ptr, c_ptr, V, NB, temperature, se
         tl.atomic_xchg(c_ptr + b, 0)
 
 
-_WORK: dict = {}  # (device, B, NB) -> (partial (key, log E) pairs, partial indices): made once, reused by every draw
+_WORK: dict = {}  # (device, B, NB, stream role) -> (partial (key, log E) pairs, partial indices): made once
 
 
 def _work(device: torch.device, B: int, NB: int) -> tuple[torch.Tensor, torch.Tensor]:
-    key = (device, B, NB)
-    if key not in _WORK:
-        _WORK[key] = (torch.empty(B, NB, 2, dtype=torch.float32, device=device),
-                      torch.empty(B, NB, dtype=torch.int32, device=device))
-    return _WORK[key]
+    """The launch's partials, one set per stream role (as arrival_counters: a launch on the side stream may overlap
+    one on the main stream); made outside graph capture, or for that launch alone inside one."""
+    from dsv4.ops import stream_role
+
+    key = (device, B, NB, stream_role(device))
+    work = _WORK.get(key)
+    if work is None:
+        work = (torch.empty(B, NB, 2, dtype=torch.float32, device=device),
+                torch.empty(B, NB, dtype=torch.int32, device=device))
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _WORK[key] = work
+    return work
 
 
 def sample_race(logits: torch.Tensor, temperature: float, seed: int, call: int) -> torch.Tensor:
@@ -120,9 +128,12 @@ def sample_race(logits: torch.Tensor, temperature: float, seed: int, call: int) 
     pk, pi = _work(dev, B, NB)
     out = torch.empty(B, dtype=torch.int64, device=dev)
     bit = 1 << 32
-    _race_kernel[(B, NB)](logits, logits.stride(0), out, pk, pi,
-                          arrival_counters(dev, f"sample race x{triton.next_power_of_2(B)}", triton.next_power_of_2(B)),
-                          V, NB, race_temperature(temperature), bit | (seed & 0xFFFFFFFF),
-                          bit | (seed >> 32), bit | (call & 0xFFFFFFFF), bit | (call >> 32),
-                          BLOCK=BLOCK, NBP=triton.next_power_of_2(NB), num_warps=4)
+    # Triton launches on the current device's stream whatever device the tensors are on: the logits' (the head's GPU)
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+        _race_kernel[(B, NB)](logits, logits.stride(0), out, pk, pi,
+                              arrival_counters(dev, f"sample race x{triton.next_power_of_2(B)}",
+                                               triton.next_power_of_2(B)),
+                              V, NB, race_temperature(temperature), bit | (seed & 0xFFFFFFFF),
+                              bit | (seed >> 32), bit | (call & 0xFFFFFFFF), bit | (call >> 32),
+                              BLOCK=BLOCK, NBP=triton.next_power_of_2(NB), num_warps=4)
     return out

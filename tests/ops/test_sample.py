@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from dsv4.ops.sample import philox4x32, race_noise_ref, race_temperature, sample_race_ref
+from dsv4.ops.sample import log_exp1_ref, philox4x32, race_noise_ref, race_temperature, sample_race_ref
 from dsv4.testing import assert_bitwise_equal, assert_close_rel, tol
 
 CUDA = torch.cuda.is_available()
@@ -40,13 +40,18 @@ def test_reference_noise_is_exponential():
     ks = ((1 - torch.exp(-s)) - torch.arange(1, n + 1, dtype=torch.float64) / n).abs().max().item()
     assert ks < 1.63 / math.sqrt(n)  # Kolmogorov-Smirnov at the 1% level
     assert abs(e.mean().item() - 1) < 4 / math.sqrt(n) and e.min() > 0 and torch.isfinite(e).all()
-    # log(E) within 2^-22 of its size against float64 log(-log(u)), the small E (u near 1: the series) included
+    # log(E) within 2^-22 of its size against float64 log(-log(1 - v)), the small E (v near 0: the series) included
     w, *_ = philox4x32(torch.arange(1 << 15), 0, 7, 0, 42, 0)
-    u = (2 * (w >> 9) + 1).double() * 2.0**-24
-    exact = torch.log(-torch.log(u))
+    v = (w | 1).to(torch.float32).double() * 2.0**-32
+    exact = torch.log(-torch.log1p(-v))
     got = race_noise_ref(1, 1 << 15, seed=42, call=7)[0].double()
     assert ((got - exact).abs() / exact.abs().clamp_min(1)).max() < 2.0**-22
     assert exact.min() < -10  # E < 5e-5 among them
+    # the ends: the smallest word gives E = 2^-32; the largest rounds v to 1, whose 1 - v is held at 2^-32
+    ends = log_exp1_ref(torch.tensor([0, 1, 2**31, 2**32 - 1]))
+    assert torch.equal(ends[[0, 1, 3]], torch.tensor([math.log(2.0**-32), math.log(2.0**-32), math.log(32 * math.log(2))],
+                                                     dtype=torch.float32))
+    assert abs(ends[2].item() - math.log(math.log(2))) < 1e-6
 
 
 try:  # a kernel that stores the race's noise words and log(E) (sample_triton's helpers) for the test below
@@ -63,8 +68,14 @@ try:  # a kernel that stores the race's noise words and log(E) (sample_triton's 
                        seed_lo.to(tl.uint32), seed_hi.to(tl.uint32))
         tl.store(w_ptr + offs, w.to(tl.int32, bitcast=True), mask=offs < V)
         tl.store(le_ptr + offs, _log_exp1(w), mask=offs < V)
+
+    @triton.jit
+    def _log_exp1_kernel(w_ptr, le_ptr, N, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        w = tl.load(w_ptr + offs, mask=offs < N, other=0).to(tl.uint32, bitcast=True)
+        tl.store(le_ptr + offs, _log_exp1(w), mask=offs < N)
 except ImportError:
-    _noise_kernel = None
+    _noise_kernel = _log_exp1_kernel = None
 
 
 @pytest.mark.parametrize("seed, call, row", [(0, 0, 0), (2**64 - 1, 2**40 + 3, 2), (123456789123, 5, 1)])
@@ -80,6 +91,12 @@ def test_fast_noise_matches_reference(seed, call, row):
     ref_w, *_ = philox4x32(torch.arange(V), row, call & 0xFFFFFFFF, call >> 32, seed & 0xFFFFFFFF, seed >> 32)
     assert_bitwise_equal(w.cpu(), ref_w.to(torch.int32), "Philox words")
     assert_close_rel(le.cpu(), race_noise_ref(row + 1, V, seed, call)[row], "race_noise_log")
+    # the words at the ends of both halves of the formula
+    ends = torch.tensor([0, 1, 2, 2**31 - 1, 2**31, 2**31 + 1, 2**32 - 256, 2**32 - 1], dtype=torch.int64)
+    le8 = torch.empty(8, dtype=torch.float32, device=DEV)
+    as_int32 = (ends - (ends >> 31) * 2**32).to(torch.int32)  # the words' bits
+    _log_exp1_kernel[(1,)](as_int32.to(DEV), le8, 8, BLOCK=8)
+    assert_close_rel(le8.cpu(), log_exp1_ref(ends), "race_noise_log")
 
 
 def _check_draws(fast, logits, temperature, seed, call):
@@ -135,6 +152,36 @@ def test_ties_nan_and_masked_logits():
     nan = torch.zeros(2, 300, device=DEV)
     nan[0, 123] = float("nan")
     assert int(fast(nan, 1.0, 4, 0)[0]) == int(sample_race_ref(nan, 1.0, 4, 0)[0]) == 123
+
+
+def test_ties_across_blocks_and_an_all_masked_row():
+    fast = _fast().sample_race
+    # ties spread over several of the kernel's blocks (1024 ids): the noise splits them, as the reference
+    flat = torch.zeros(2, 3000, device=DEV)
+    flat[1, ::7] = 1.0  # the largest ones every 7th id
+    for c in range(4):
+        want = sample_race_ref(flat, 1e-300, 3, c)
+        assert torch.equal(fast(flat, 1e-300, 3, c), want) and int(want[1]) % 7 == 0
+    # a row that is -inf everywhere still draws an id inside the vocabulary (the reference's: the smallest log E)
+    dead = torch.full((1, 1500), float("-inf"), device=DEV)
+    for c in range(4):
+        assert int(fast(dead, 1.0, 4, c)) == int(sample_race_ref(dead, 1.0, 4, c)) < 1500
+    # equal keys and equal log E (two words that round to the same fp32 v), in one block and in two: the lower
+    # index wins
+    found = {}
+    for call in range(256):
+        le = race_noise_ref(1, 4096, 1, call)[0]
+        vals, counts = torch.unique(le, return_counts=True)
+        for v in vals[counts == 2]:
+            i, j = (le == v).nonzero().flatten().tolist()
+            found.setdefault(i // 1024 == j // 1024, (call, i, j))
+        if len(found) == 2:
+            break
+    assert len(found) == 2, f"equal noise values in one block and in two not both found: {found}"
+    for call, i, j in found.values():
+        two = torch.full((1, 4096), float("-inf"), device=DEV)
+        two[0, i] = two[0, j] = 2.5
+        assert int(fast(two, 0.7, 1, call)) == int(sample_race_ref(two, 0.7, 1, call)) == i
 
 
 @pytest.mark.parametrize("args, message", [
