@@ -297,11 +297,12 @@ def profile_layer(run, device) -> dict:
     from dsv4 import ops
     from dsv4.model.layers import set_overlap
 
-    run()  # warm
-    torch.cuda.synchronize(device)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        run()
+    with torch.cuda.device(device):  # the layer's GPU current: its Triton kernels launch there (as on_device)
+        run()  # warm
         torch.cuda.synchronize(device)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            run()
+            torch.cuda.synchronize(device)
     kern = [e for e in prof.events() if e.device_type.name == "CUDA" and "memcpy" not in e.name.lower()
             and "memset" not in e.name.lower()]
     kernels = len(kern)

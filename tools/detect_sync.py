@@ -69,7 +69,8 @@ def find_syncs(piece: str, fn) -> list[Violation]:
             seen.add(where)
             found.append(Violation(piece, "host sync", where, text.splitlines()[0][:120]))
 
-    torch.cuda.synchronize()
+    for d in range(torch.cuda.device_count()):  # every GPU a model spread over them may use
+        torch.cuda.synchronize(d)
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         warnings.showwarning = show
@@ -94,7 +95,7 @@ def try_capture(piece: str, fn, device) -> list[Violation]:
         tb = traceback.extract_tb(e.__traceback__)
         return [Violation(piece, "capture failure", _where(tb), f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")]
     finally:
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
     return []
 
 
@@ -133,12 +134,17 @@ def check(model, max_len: int, steps: int = 8) -> list[Violation]:
     ends = sorted({r - 1 for r in runner.defer_ratio if r and r <= max_len})
     out += find_syncs("step (graph replay loop)", lambda: [runner.step(5, p) for p in ends])
     state.reset()
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    devs = list(dict.fromkeys([runner.embed_dev, *runner.devices, runner.head_dev]))
+
+    def allocated() -> int:  # allocations so far on every GPU of the model
+        for d in devs:
+            torch.cuda.synchronize(d)
+        return sum(torch.cuda.memory_stats(d)["allocation.all.allocated"] for d in devs)
+
+    before = allocated()
     for _ in range(steps):
         runner.step(7)
-    torch.cuda.synchronize()
-    n = torch.cuda.memory_stats()["allocation.all.allocated"] - before
+    n = allocated() - before
     if n:
         out.append(Violation("step (graph replay loop)", "device allocation", "dsv4/graphs.py: DecodeRunner.step",
                              f"{n} allocations in {steps} steps"))
@@ -173,13 +179,14 @@ def check_prefill(model, state, names: dict) -> list[Violation]:
             plans[dev].end = 2 * chunk
         plan, x, ids_i = plans[dev], x.to(dev), ids.to(dev)
         rope = model.rope(layer.spec.rope, dev)
-        out += find_syncs(f"{names[i]} prefill begin",
-                          lambda: res.__setitem__("b", layer.begin(x, plan, st, rope, join=True)))
-        carry, a = res["b"]
-        out += find_syncs(f"{names[i]} prefill middle (eager)",
-                          lambda: res.__setitem__("o", layer.attn.attend(a, plan, st)))
-        out += find_syncs(f"{names[i]} prefill finish",
-                          lambda: res.__setitem__("x", layer.finish(res["o"], carry, ids_i)))
+        with torch.cuda.device(dev):  # Triton launches on the current device: the layer's (as on_device does)
+            out += find_syncs(f"{names[i]} prefill begin",
+                              lambda: res.__setitem__("b", layer.begin(x, plan, st, rope, join=True)))
+            carry, a = res["b"]
+            out += find_syncs(f"{names[i]} prefill middle (eager)",
+                              lambda: res.__setitem__("o", layer.attn.attend(a, plan, st)))
+            out += find_syncs(f"{names[i]} prefill finish",
+                              lambda: res.__setitem__("x", layer.finish(res["o"], carry, ids_i)))
         x = res["x"]
     state.reset()
     try:
@@ -189,7 +196,8 @@ def check_prefill(model, state, names: dict) -> list[Violation]:
         return out + [Violation("prefill graphs", "capture failure", _where(tb),
                                 f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")]
     finally:
-        torch.cuda.synchronize()
+        for d in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(d)
     out += find_syncs("prefill (graph replays + eager middles)",
                       lambda: [runner.run(ids, p) for p in sorted({chunk, room - chunk})])
     state.reset()

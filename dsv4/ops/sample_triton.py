@@ -125,11 +125,11 @@ def sample_race(logits: torch.Tensor, temperature: float, seed: int, call: int) 
         raise ValueError(f"sample_race: a vocabulary of {V} ids does not fit int32 indices")
     NB = triton.cdiv(V, BLOCK)
     dev = logits.device
-    pk, pi = _work(dev, B, NB)
     out = torch.empty(B, dtype=torch.int64, device=dev)
     bit = 1 << 32
     # Triton launches on the current device's stream whatever device the tensors are on: the logits' (the head's GPU)
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+        pk, pi = _work(dev, B, NB)  # (its capture check reads the current device's stream)
         _race_kernel[(B, NB)](logits, logits.stride(0), out, pk, pi,
                               arrival_counters(dev, f"sample race x{triton.next_power_of_2(B)}",
                                                triton.next_power_of_2(B)),
