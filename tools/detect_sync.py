@@ -69,8 +69,7 @@ def find_syncs(piece: str, fn) -> list[Violation]:
             seen.add(where)
             found.append(Violation(piece, "host sync", where, text.splitlines()[0][:120]))
 
-    for d in range(torch.cuda.device_count()):  # every GPU a model spread over them may use
-        torch.cuda.synchronize(d)
+    torch.cuda.synchronize()  # (the current GPU: the piece's, where a caller runs it under its device)
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         warnings.showwarning = show
@@ -196,7 +195,7 @@ def check_prefill(model, state, names: dict) -> list[Violation]:
         return out + [Violation("prefill graphs", "capture failure", _where(tb),
                                 f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")]
     finally:
-        for d in range(torch.cuda.device_count()):
+        for d in plans:  # every GPU of the model's layers
             torch.cuda.synchronize(d)
     out += find_syncs("prefill (graph replays + eager middles)",
                       lambda: [runner.run(ids, p) for p in sorted({chunk, room - chunk})])
