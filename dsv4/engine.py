@@ -291,7 +291,7 @@ class Engine:
         from dsv4 import ops
 
         self.kernels = ops.active()  # op -> backend bound now (from_pretrained binds them first)
-        # a temperature alone is drawn by one launch of ops.sample_race where it runs fast (TokenSampler)
+        # a temperature (with or without top-p) is drawn by ops.sample_race where it runs fast (TokenSampler)
         self.fast_race = self.kernels.get("sample_race") == "fast"
         model.prepare()
         self.runner = self.prefill = None
@@ -349,10 +349,11 @@ class Engine:
                 self.state.pos = p
                 self.model(ids, self.state, last_only=True)
                 self.state.reset()
-            if self.fast_race:  # the sampler's one kernel
+            if self.fast_race:  # the sampler's kernels: the race, the nucleus' passes and the race within it
                 head = self.model.head.weight
-                TokenSampler(SamplingParams(seed=0), head.device, True)(
-                    torch.zeros(1, head.shape[0], dtype=torch.float32, device=head.device))
+                for top_p in (1.0, 0.5):
+                    TokenSampler(SamplingParams(seed=0, top_p=top_p), head.device, True)(
+                        torch.zeros(1, head.shape[0], dtype=torch.float32, device=head.device))
         self.state_ids = []
 
     @classmethod

@@ -5,8 +5,8 @@ Owns the token-choice policy only: greedy at temperature 0, otherwise temperatur
 (nucleus), then one draw from a seeded `torch.Generator`. Everything stays on the logits' device;
 the only host sync of a decode step is the caller reading the chosen id, so the step can later be
 captured in a CUDA graph. Nothing here knows about the model, the tokenizer or stop conditions.
-A temperature alone (no top-k, no top-p: the checkpoint's default) may be drawn instead by the op
-`sample_race` (dsv4/ops/sample.py: one launch on counter-based noise) when its fast backend is bound.
+A temperature, with or without top-p (no top-k), may be drawn instead by the op `sample_race`
+(dsv4/ops/sample.py: a race on counter-based noise in one launch, six with top-p) when its fast backend is bound.
 """
 
 from __future__ import annotations
@@ -108,16 +108,17 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 
 
 def race_applies(params: SamplingParams, vocab: int) -> bool:
-    """Whether `params` draw from softmax(logits / temperature) unfiltered: what ops.sample_race computes."""
-    return not params.greedy and params.top_p >= 1.0 and not 0 < params.top_k < vocab
+    """Whether ops.sample_race draws for `params`: a temperature, with or without top-p, and no top-k filter."""
+    return not params.greedy and not 0 < params.top_k < vocab
 
 
 class TokenSampler:
     """One request's draws: `sampler(logits [B, V]) -> ids [B]` on the logits' device, no host sync.
 
-    `fast_race` (the engine: ops.sample_race runs its fast backend): where race_applies, each draw is one launch of
-    ops.sample_race keyed by the generator's seed and the draw's index (the same seed, the same tokens; another
-    random stream than `sample`'s). Otherwise `sample` with the request's generator.
+    `fast_race` (the engine: ops.sample_race runs its fast backend): where race_applies, each draw is ops.sample_race
+    (one launch, six with top-p) keyed by the generator's seed and the draw's index: the same seed, the same tokens,
+    but another random stream than `sample`'s, and a top-p nucleus that keeps every id tied with its smallest one
+    (`sample` keeps a prefix of its sort's order among such ties). Otherwise `sample` with the request's generator.
     """
 
     def __init__(self, params: SamplingParams, device: torch.device | str, fast_race: bool = False):
@@ -131,7 +132,7 @@ class TokenSampler:
         if self.fast_race and logits.dim() == 2 and race_applies(self.params, logits.shape[-1]):
             from dsv4 import ops
 
-            out = ops.sample_race(logits.float(), self.params.temperature, self.seed, self.calls)
+            out = ops.sample_race(logits.float(), self.params.temperature, self.seed, self.calls, self.params.top_p)
         else:
             out = sample(logits, self.params, self.generator)
         self.calls += 1

@@ -373,8 +373,9 @@ def test_requests_compile_no_kernel_after_load(tokenizer):
         assert sum(before.values()) > 0  # the load compiled them
         for n in (777, 130, 129, 258, 1000, 3, 1411, 1900, 44):
             eng.generate_ids(prompt_ids(n, n), SamplingParams(temperature=0, max_new_tokens=2))
-        assert eng.fast_race  # a bare temperature draws through ops.sample_race, compiled at load too
+        assert eng.fast_race  # temperature and top-p draw through ops.sample_race, compiled at load too
         eng.generate_ids(prompt_ids(9, 9), SamplingParams(temperature=0.8, seed=1, max_new_tokens=3))
+        eng.generate_ids(prompt_ids(9, 9), SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_new_tokens=3))
         after = triton_kernels_compiled()
         assert {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)} == {}
     finally:
@@ -565,7 +566,7 @@ def test_cuda_graph_decode_with_prefix_reuse_logprobs_and_stop(tokenizer):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_decode_steps_ahead_generate_what_host_fed_steps_generate(tokenizer, race_fast):
     # Engine.step_ahead queues each decode step on the device-side sample: the same tokens as feeding each token
-    # from the host, greedy and sampled (a top-p draw by torch's sampler, a bare temperature by the race kernel); a
+    # from the host, greedy and sampled (the race kernel at a temperature, with top-p through its nucleus passes); a
     # step that ran ahead of an EOS leaves that token in the state, and a request reusing the prefix takes it from
     # there
     eng, fresh = _graph_and_eager_engines(tokenizer, 2, 512)

@@ -137,7 +137,7 @@ def test_token_sampler_draws_as_sample_does_without_the_race():
             assert torch.equal(ts(logits), sample(logits, p, gen))
 
 
-def test_token_sampler_hands_a_bare_temperature_to_the_race_op():
+def test_token_sampler_hands_temperature_and_top_p_to_the_race_op():
     from dsv4 import ops
 
     logits = torch.randn(1, 300, generator=torch.Generator().manual_seed(6))
@@ -148,13 +148,18 @@ def test_token_sampler_hands_a_bare_temperature_to_the_race_op():
             ts = TokenSampler(p, "cpu", fast_race=True)
             got = [ts(logits) for _ in range(3)]
             assert ts.seed == (p.seed % 2**64)  # the generator's seed, as an unsigned 64-bit word
-            assert calls == [("sample_race", p.temperature, ts.seed, c) for c in range(3)]
+            assert calls == [("sample_race", p.temperature, ts.seed, c, p.top_p) for c in range(3)]
             calls.clear()
             again = TokenSampler(p, "cpu", fast_race=True)
             assert [again(logits) for _ in range(3)] == got  # the same seed, the same draws
             calls.clear()
-        # a filter or greedy keeps the torch sampler (and its generator's stream)
-        for p in (SamplingParams(top_p=0.9, seed=1), SamplingParams(top_k=5, seed=1), SamplingParams(0.0)):
+        # top-p draws through the race too (its nucleus)
+        ts = TokenSampler(SamplingParams(top_p=0.9, seed=1), "cpu", fast_race=True)
+        ts(logits)
+        assert calls == [("sample_race", 1.0, 1, 0, 0.9)]
+        calls.clear()
+        # top-k or greedy keeps the torch sampler (and its generator's stream)
+        for p in (SamplingParams(top_k=5, seed=1), SamplingParams(top_k=5, top_p=0.9, seed=1), SamplingParams(0.0)):
             ts, gen = TokenSampler(p, "cpu", fast_race=True), make_generator(p, "cpu")
             assert not race_applies(p, 300)
             assert torch.equal(ts(logits), sample(logits, p, gen)) and calls == []

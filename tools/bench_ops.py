@@ -184,6 +184,12 @@ def build_cases(dev):
     cases["sample.race"] = ("sample_race", make_logits, None,
                             lambda lg, t, seed, call: sample(lg, SamplingParams(temperature=t), gen))
 
+    def make_logits_p(M):  # the same at top-p 0.95: the nucleus' five passes, then the race within it
+        return make_logits(M)[0] + (0.95,), M * (129280 * 4 + 8)
+
+    cases["sample.race.top_p"] = ("sample_race", make_logits_p, None,
+                                  lambda lg, t, seed, call, p: sample(lg, SamplingParams(temperature=t, top_p=p), gen))
+
     def make_ffn_entry(M):
         # the FFN's entry as a decode step runs it: the boundary (mhc_post_pre_norm) writes x, the router reads it (the
         # CUDA router's gate copy starts during the boundary, under programmatic dependent launch)
@@ -579,7 +585,7 @@ def main(argv=None) -> int:
                  + ["wo_a", "wo_a.bf16", "mhc_pre_norm", "mhc_post_pre_norm", "mhc_pre_norm.triton",
                     "mhc_post_pre_norm.triton", "head", "moe_experts", "moe_experts.xq",
                     "moe_experts.triton", "router", "router.triton", "mhc_post_pre_norm+router",
-                    "mhc_post_pre_norm+router.triton", "sample.race"]
+                    "mhc_post_pre_norm+router.triton", "sample.race", "sample.race.top_p"]
                  + [n + t for n, _, _ in ATTN for t in ("", ".triton")]
                  + [n + t for n, _ in INDEXER for t in (".scores", ".scores.fp4", ".topk", ".topk.triton")]
                  + [f"{n}.topk.{kern}" for n, c in INDEXER

@@ -1,4 +1,5 @@
-"""A token drawn from softmax(logits / temperature) in one pass (the decode loop's default sampling).
+"""A token drawn from softmax(logits / temperature) in one pass (the decode loop's default sampling), or from its
+top-p nucleus (`nucleus_key_ref`: the ids whose logit has less than top_p of the mass strictly above it).
 
 `sample_race_ref(logits, temperature, seed, call)`: logits [B, V] fp32 -> token ids [B] int64. The exponential race
 of dsv4/sampling.py (argmax of p_i / E_i with E_i ~ Exp(1) is an exact draw from p) taken in log space:
@@ -82,13 +83,15 @@ def log_exp1_ref(w: torch.Tensor) -> torch.Tensor:
     return torch.log(e)
 
 
-def check_race_args(logits: torch.Tensor, temperature: float, seed: int, call: int) -> None:
+def check_race_args(logits: torch.Tensor, temperature: float, seed: int, call: int, top_p: float = 1.0) -> None:
     if logits.dim() != 2 or logits.dtype != torch.float32 or logits.shape[1] == 0:
         raise ValueError(f"sample_race: logits must be float32 [batch, vocab], got {logits.dtype}{tuple(logits.shape)}")
     if not temperature > 0:
         raise ValueError(f"sample_race: temperature must be > 0, got {temperature}")
     if not 0 <= seed < 1 << 64 or not 0 <= call < 1 << 63:
         raise ValueError(f"sample_race: seed must be in [0, 2^64) and call in [0, 2^63), got {seed}, {call}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"sample_race: top_p must be in (0, 1], got {top_p}")
 
 
 def race_temperature(temperature: float) -> float:
@@ -97,12 +100,44 @@ def race_temperature(temperature: float) -> float:
     return struct.unpack("f", struct.pack("f", min(float(temperature), TEMPERATURE_CAP)))[0]
 
 
-def sample_race_ref(logits: torch.Tensor, temperature: float, seed: int, call: int) -> torch.Tensor:
-    """logits [B, V] fp32 -> [B] int64: draw `call` of stream `seed` from softmax(logits / temperature)."""
-    check_race_args(logits, temperature, seed, call)
+def order_key_ref(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> its order as a uint32 value (in int64): x < y exactly when key(x) < key(y); -0.0 counts as +0.0."""
+    b = torch.where(x == 0, torch.zeros_like(x), x).view(torch.int32).to(torch.int64)
+    return torch.where(b < 0, ~b, b | (1 << 31)) & _MASK32
+
+
+def nucleus_key_ref(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """[B, V] -> [B] int64: the order key of the smallest logit the nucleus keeps (0, all, where a row's largest logit
+    is not finite). The nucleus of top_p < 1: the ids whose logit x has mass strictly above it, sum of p_j over
+    x_j > x (p = softmax(logits / T) in float64), below top_p; so every id tied with the smallest kept one is kept,
+    and the most likely always is. (`sample` keeps a prefix of the sorted ids instead: the same set but for ties.)"""
+    t = max(race_temperature(temperature), 2.0**-126)
+    out = torch.zeros(logits.shape[0], dtype=torch.int64)
+    for r, x in enumerate(logits.detach().cpu().double()):
+        m = x.max()
+        if not torch.isfinite(m):
+            continue
+        p = torch.exp((x - m) / t)
+        p = p / p.sum()
+        vals, inv = torch.unique(x, sorted=True, return_inverse=True)  # ascending
+        mass = torch.zeros_like(vals).index_add_(0, inv, p)
+        above = mass.flip(0).cumsum(0).flip(0) - mass  # strictly above each value
+        kept = vals[above < top_p]
+        out[r] = int(order_key_ref(kept.min().float().reshape(1))[0])
+    return out
+
+
+def sample_race_ref(logits: torch.Tensor, temperature: float, seed: int, call: int,
+                    top_p: float = 1.0) -> torch.Tensor:
+    """logits [B, V] fp32 -> [B] int64: draw `call` of stream `seed` from softmax(logits / temperature), restricted
+    to the nucleus of top_p (nucleus_key_ref) when top_p < 1."""
+    check_race_args(logits, temperature, seed, call, top_p)
     B, V = logits.shape
     noise = race_noise_ref(B, V, seed, call, logits.device)
     key = logits - race_temperature(temperature) * noise
+    if top_p < 1:
+        keep = order_key_ref(logits) >= nucleus_key_ref(logits, temperature, top_p).to(logits.device)[:, None]
+        key = torch.where(keep | torch.isnan(logits), key, -torch.inf)
     key = torch.where(torch.isnan(key), torch.inf, key)
     best = key == key.amax(-1, keepdim=True)
     noise = torch.where(best, noise, torch.inf)

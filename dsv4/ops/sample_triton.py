@@ -1,4 +1,6 @@
-"""Triton `sample_race` (dsv4/ops/sample.py): a token from softmax(logits / T) in one launch.
+"""Triton `sample_race` (dsv4/ops/sample.py): a token from softmax(logits / T) in one launch; with top_p < 1, five
+`_nucleus_kernel` launches first find the nucleus' smallest logit (a radix select over the logits' order keys with
+the probabilities as weights: no sort) and the race skips the ids below it.
 
 Grid (rows, blocks of BLOCK logits). Each program makes its block's Philox noise, keys and best (key, index), stores
 them, and arrives on its row's counter (acq_rel); the row's last program to arrive reads the row's partials in block
@@ -62,14 +64,24 @@ def _log_exp1(w):
     return tl.log(e)
 
 
+@triton.jit
+def _order_key(x):
+    """fp32 -> uint32 with the same order (sample.order_key_ref); -0.0 as +0.0."""
+    b = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
+    return (b ^ ((b >> 31) | -2147483648)).to(tl.uint32, bitcast=True)
+
+
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "call_lo", "call_hi"])
-def _race_kernel(l_ptr, sl, o_ptr, pk_ptr, pi_ptr, c_ptr, V, NB, temperature, seed_lo, seed_hi, call_lo, call_hi,
-                 BLOCK: tl.constexpr, NBP: tl.constexpr):
+def _race_kernel(l_ptr, sl, o_ptr, pk_ptr, pi_ptr, c_ptr, st_ptr, V, NB, temperature, seed_lo, seed_hi, call_lo,
+                 call_hi, BLOCK: tl.constexpr, NBP: tl.constexpr, NUCLEUS: tl.constexpr):
     b = tl.program_id(0)
     j = tl.program_id(1)
     offs = j * BLOCK + tl.arange(0, BLOCK)
     ok = offs < V
     x = tl.load(l_ptr + b.to(tl.int64) * sl + offs, mask=ok, other=float("-inf"))
+    if NUCLEUS:  # ids below the nucleus' smallest logit (its order key, from _nucleus_kernel) are out
+        low = tl.load(st_ptr + b * 4 + 3).to(tl.uint32, bitcast=True)
+        ok = ok & ((_order_key(x) >= low) | (x != x))
     zero = offs.to(tl.uint32) * 0
     w = _philox_w0(offs.to(tl.uint32), zero + b.to(tl.uint32), zero + call_lo.to(tl.uint32),
                    zero + call_hi.to(tl.uint32), seed_lo.to(tl.uint32), seed_hi.to(tl.uint32))
@@ -97,27 +109,114 @@ def _race_kernel(l_ptr, sl, o_ptr, pk_ptr, pi_ptr, c_ptr, V, NB, temperature, se
         tl.atomic_xchg(c_ptr + b, 0)
 
 
+@triton.jit
+def _nucleus_kernel(l_ptr, sl, st_ptr, h_ptr, c_ptr, V, NB, temperature, top_p,
+                    PASS: tl.constexpr, BLOCK: tl.constexpr, NBP: tl.constexpr, CH: tl.constexpr):
+    """The nucleus' smallest logit (sample.nucleus_key_ref) in five launches over the row, PASS 0..4, each finished
+    by its last program to arrive: PASS 0 the row's maximum M and normaliser Z; PASS 1-4 a radix select of the order
+    keys, 8 bits a pass from the top: each program adds its block's probabilities (and counts) into 256 bins of the
+    keys that share the prefix so far, and the last program takes the lowest non-empty bin whose mass above is still
+    below top_p (the bin holding the smallest kept logit), adds the mass above it and appends it to the prefix.
+    Fixed summation orders: the same row gives the same key. st [B, 4] (fp32 bits): M, Z, the mass above the prefix,
+    the prefix (after PASS 4 the smallest kept logit's key; 0, keep everything, where M is not finite)."""
+    b = tl.program_id(0)
+    j = tl.program_id(1)
+    row = l_ptr + b.to(tl.int64) * sl
+    st = st_ptr + b * 4
+    hb = h_ptr + (b * NB + j) * 512
+    bins = tl.arange(0, 256)
+    if PASS == 0:
+        offs = j * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(row + offs, mask=offs < V, other=float("-inf"))
+        m = tl.max(x, axis=0)
+        m0 = tl.where((m > float("-inf")) & (m < float("inf")), m, 0.0)  # (no inf - inf: such rows keep all)
+        z = tl.sum(tl.where(x > float("-inf"), tl.exp((x - m0) / temperature), 0.0), axis=0)
+        tl.store(hb, m)
+        tl.store(hb + 1, z)
+    else:
+        big = tl.load(st)
+        big = tl.where((big > float("-inf")) & (big < float("inf")), big, 0.0)  # (rows that keep all)
+        norm = tl.load(st + 1)
+        norm = tl.where(norm > 0.0, norm, 1.0)
+        prefix = tl.load(st + 3).to(tl.uint32, bitcast=True)
+        SHIFT: tl.constexpr = 32 - 8 * PASS
+        hm = tl.zeros([256], tl.float32)
+        hc = tl.zeros([256], tl.float32)
+        for c in range(0, BLOCK, CH):
+            offs = j * BLOCK + c + tl.arange(0, CH)
+            x = tl.load(row + offs, mask=offs < V, other=float("-inf"))
+            key = _order_key(x)
+            sel = (offs < V) & (x > float("-inf"))
+            if PASS > 1:
+                sel = sel & ((key >> (SHIFT + 8)) == prefix)
+            p = tl.where(sel, tl.exp((x - big) / temperature) / norm, 0.0)
+            hit = (((key >> SHIFT) & 255).to(tl.int32)[:, None] == bins[None, :]) & sel[:, None]
+            hm += tl.sum(tl.where(hit, p[:, None], 0.0), axis=0)
+            hc += tl.sum(hit.to(tl.float32), axis=0)
+        tl.store(hb + bins, hm)
+        tl.store(hb + 256 + bins, hc)
+    tl.debug_barrier()  # the partials are stored before the (release) arrival
+    arrived = tl.atomic_add(c_ptr + b, 1, sem="acq_rel")
+    if arrived == NB - 1:
+        h0 = h_ptr + b * NB * 512
+        if PASS == 0:
+            nb = tl.arange(0, NBP)
+            ms = tl.load(h0 + nb * 512, mask=nb < NB, other=float("-inf"), cache_modifier=".cg")
+            zs = tl.load(h0 + nb * 512 + 1, mask=nb < NB, other=0.0, cache_modifier=".cg")
+            big = tl.max(ms, axis=0)
+            b0 = tl.where((big > float("-inf")) & (big < float("inf")), big, 0.0)
+            norm = tl.sum(tl.where(ms > float("-inf"), zs * tl.exp((ms - b0) / temperature), 0.0), axis=0)
+            tl.store(st, big)
+            tl.store(st + 1, norm)
+            tl.store(st + 2, 0.0)
+            tl.store(st + 3, 0.0)  # (the bits of key 0)
+        else:
+            acc_m = tl.zeros([256], tl.float32)
+            acc_c = tl.zeros([256], tl.float32)
+            rows = tl.arange(0, 16)
+            for r0 in range(0, NB, 16):  # the blocks' bins in block order, 16 blocks a load
+                mk = (r0 + rows < NB)[:, None]
+                at = h0 + (r0 + rows)[:, None] * 512 + bins[None, :]
+                acc_m += tl.sum(tl.load(at, mask=mk, other=0.0, cache_modifier=".cg"), axis=0)
+                acc_c += tl.sum(tl.load(at + 256, mask=mk, other=0.0, cache_modifier=".cg"), axis=0)
+            above = tl.load(st + 2)
+            prefix = tl.load(st + 3).to(tl.uint32, bitcast=True)
+            # mass strictly above each bin: the mass above the prefix plus that of the higher bins
+            over = above + (tl.sum(acc_m, axis=0) - tl.cumsum(acc_m, axis=0))
+            take = tl.min(tl.where((acc_c > 0) & (over < top_p), bins, 256), axis=0)
+            finite = (tl.load(st) < float("inf")) & (tl.load(st) > float("-inf")) & (take < 256)
+            new_above = tl.sum(tl.where(bins == take, over, 0.0), axis=0)
+            new_prefix = (prefix << 8) | take.to(tl.uint32)
+            tl.store(st + 2, tl.where(finite, new_above, 0.0))
+            tl.store(st + 3, tl.where(finite, new_prefix, 0).to(tl.int32, bitcast=True).to(tl.float32, bitcast=True))
+        tl.atomic_xchg(c_ptr + b, 0)
+
+
 _WORK: dict = {}  # (device, B, NB, stream role) -> (partial (key, log E) pairs, partial indices): made once
 
 
-def _work(device: torch.device, B: int, NB: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _work(device: torch.device, B: int, NB: int, nucleus: bool = False) -> tuple[torch.Tensor, ...]:
     """The launch's partials, one set per stream role (as arrival_counters: a launch on the side stream may overlap
-    one on the main stream); made outside graph capture, or for that launch alone inside one."""
+    one on the main stream); made outside graph capture, or for that launch alone inside one. With `nucleus`, the
+    nucleus' row state [B, 4] and bins [B, NB, 512] too."""
     from dsv4.ops import stream_role
 
-    key = (device, B, NB, stream_role(device))
+    key = (device, B, NB, nucleus, stream_role(device))
     work = _WORK.get(key)
     if work is None:
         work = (torch.empty(B, NB, 2, dtype=torch.float32, device=device),
                 torch.empty(B, NB, dtype=torch.int32, device=device))
+        if nucleus:
+            work += (torch.empty(B, 4, dtype=torch.float32, device=device),
+                     torch.empty(B, NB, 512, dtype=torch.float32, device=device))
         if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             _WORK[key] = work
     return work
 
 
-def sample_race(logits: torch.Tensor, temperature: float, seed: int, call: int) -> torch.Tensor:
-    """sample_race_ref's token, one launch (same signature)."""
-    check_race_args(logits, temperature, seed, call)
+def sample_race(logits: torch.Tensor, temperature: float, seed: int, call: int, top_p: float = 1.0) -> torch.Tensor:
+    """sample_race_ref's token (same signature): one launch, six with top_p < 1 (five find the nucleus)."""
+    check_race_args(logits, temperature, seed, call, top_p)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     B, V = logits.shape
@@ -127,13 +226,21 @@ def sample_race(logits: torch.Tensor, temperature: float, seed: int, call: int) 
     dev = logits.device
     out = torch.empty(B, dtype=torch.int64, device=dev)
     bit = 1 << 32
+    nucleus = top_p < 1
+    bp = triton.next_power_of_2(B)
     # Triton launches on the current device's stream whatever device the tensors are on: the logits' (the head's GPU)
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
-        pk, pi = _work(dev, B, NB)  # (its capture check reads the current device's stream)
+        pk, pi, *nw = _work(dev, B, NB, nucleus)  # (its capture check reads the current device's stream)
+        st = nw[0] if nucleus else pk
+        if nucleus:
+            t_low = max(race_temperature(temperature), 2.0**-126)  # the softmax's: a normal fp32 number
+            counters = arrival_counters(dev, f"sample nucleus x{bp}", bp)
+            for k in range(5):
+                _nucleus_kernel[(B, NB)](logits, logits.stride(0), st, nw[1], counters, V, NB, t_low, float(top_p),
+                                         PASS=k, BLOCK=BLOCK, NBP=triton.next_power_of_2(NB), CH=32, num_warps=4)
         _race_kernel[(B, NB)](logits, logits.stride(0), out, pk, pi,
-                              arrival_counters(dev, f"sample race x{triton.next_power_of_2(B)}",
-                                               triton.next_power_of_2(B)),
+                              arrival_counters(dev, f"sample race x{bp}", bp), st,
                               V, NB, race_temperature(temperature), bit | (seed & 0xFFFFFFFF),
                               bit | (seed >> 32), bit | (call & 0xFFFFFFFF), bit | (call >> 32),
-                              BLOCK=BLOCK, NBP=triton.next_power_of_2(NB), num_warps=4)
+                              BLOCK=BLOCK, NBP=triton.next_power_of_2(NB), NUCLEUS=nucleus, num_warps=4)
     return out

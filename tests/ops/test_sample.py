@@ -7,12 +7,18 @@ import math
 import pytest
 import torch
 
-from dsv4.ops.sample import log_exp1_ref, philox4x32, race_noise_ref, race_temperature, sample_race_ref
+from dsv4.ops.sample import (
+    log_exp1_ref, nucleus_key_ref, order_key_ref, philox4x32, race_noise_ref, race_temperature, sample_race_ref,
+)
 from dsv4.testing import assert_bitwise_equal, assert_close_rel, tol
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
-pytestmark = [pytest.mark.gpu] if CUDA else []
+# the interpreter evaluates masked-out lanes too (-inf padding, the -inf / +inf / NaN rows a test draws from, a softmax
+# at a temperature of 2^-126): numpy warns about values the kernels then discard
+pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
+              pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")]
+pytestmark += [pytest.mark.gpu] if CUDA else []
 
 
 def _fast():
@@ -99,10 +105,10 @@ def test_fast_noise_matches_reference(seed, call, row):
     assert_close_rel(le8.cpu(), log_exp1_ref(ends), "race_noise_log")
 
 
-def _check_draws(fast, logits, temperature, seed, call):
+def _check_draws(fast, logits, temperature, seed, call, ref=sample_race_ref):
     """fast vs reference draws, row by row, except rows whose two best reference keys lie within race_key_margin."""
     got = fast(logits, temperature, seed, call)
-    want = sample_race_ref(logits, temperature, seed, call)
+    want = ref(logits, temperature, seed, call)
     assert got.dtype == torch.int64 and got.shape == (logits.shape[0],)
     key = logits.cpu() - race_temperature(temperature) * race_noise_ref(*logits.shape, seed, call)
     top2 = key.topk(2, dim=-1).values
@@ -184,12 +190,79 @@ def test_ties_across_blocks_and_an_all_masked_row():
         assert int(fast(two, 0.7, 1, call)) == int(sample_race_ref(two, 0.7, 1, call)) == i
 
 
+def _nucleus_keys(logits, temperature, top_p):
+    """The fast kernels' nucleus key per row (the state the race read), after a draw."""
+    st = _fast()
+    st.sample_race(logits, temperature, 1, 0, top_p)
+    B, V = logits.shape
+    key = (logits.device, B, -(-V // st.BLOCK), True, "main")
+    return st._WORK[key][2][:, 3].contiguous().view(torch.int32).to(torch.int64).cpu() & 0xFFFFFFFF
+
+
+def _check_nucleus(logits, temperature, top_p):
+    """The fast nucleus keeps the reference's ids, but for ids whose mass above lies within race_nucleus_margin of
+    top_p (float64 reference masses)."""
+    got, want = _nucleus_keys(logits, temperature, top_p), nucleus_key_ref(logits, temperature, top_p)
+    for r in range(logits.shape[0]):
+        if got[r] == want[r]:
+            continue
+        x = logits[r].cpu().double()
+        t = max(race_temperature(temperature), 2.0**-126)
+        p = torch.exp((x - x.max()) / t)
+        p = p / p.sum()
+        k = order_key_ref(logits[r].cpu())
+        lo, hi = sorted((int(got[r]), int(want[r])))
+        between = (k >= lo) & (k < hi)  # the ids one side keeps and the other does not
+        above = torch.stack([p[x > v].sum() for v in x[between]])
+        assert ((above - top_p).abs() < tol("race_nucleus_margin")).all(), (r, got[r], want[r])
+    return got
+
+
+@pytest.mark.parametrize("B, V", [(1, 2100), (2, 700)] if not CUDA else [(1, 129280), (4, 129280), (2, 700)])
+def test_fast_nucleus_matches_reference(B, V):
+    g = torch.Generator().manual_seed(B + V)
+    logits = (torch.randn(B, V, generator=g) * 3).to(DEV)
+    logits[0, :5] += 8.0  # a few dominant ids: the nucleus is small
+    # (interpreted on the CPU: fewer cases, each draw is six launches)
+    for temperature in (1.0, 0.6, 4.0, 1e-300) if CUDA else (1.0, 1e-300):
+        for top_p in (0.05, 0.5, 0.9, 0.95, 0.999) if CUDA else (0.05, 0.9, 0.999):
+            _check_nucleus(logits, temperature, top_p)
+            for call in (0, 7) if CUDA else (7,):
+                got = _check_draws(lambda *a: _fast().sample_race(*a, top_p), logits, temperature, 3, call,
+                                   lambda *a: sample_race_ref(*a, top_p))
+                kept = order_key_ref(logits.cpu()) >= nucleus_key_ref(logits, temperature, top_p)[:, None]
+                assert kept[torch.arange(B), got.cpu()].all()  # every draw inside the nucleus
+
+
+def test_nucleus_keeps_ties_and_follows_the_distribution():
+    # mass above each 0.2 is 0.4 < 0.5: all three tied ids are kept (sample() keeps a prefix of its sort's order)
+    tied = torch.tensor([[0.4, 0.2, 0.2, 0.2]]).log()
+    assert (order_key_ref(tied) >= nucleus_key_ref(tied, 1.0, 0.5)[:, None]).tolist() == [[True] * 4]
+    assert torch.equal(_nucleus_keys(tied.to(DEV), 1.0, 0.5), nucleus_key_ref(tied, 1.0, 0.5))
+    # top_p 0.8 keeps the ids with mass above 0, 0.5, 0.75 (not 0.9): frequencies of the renormalized three
+    probs = torch.tensor([0.5, 0.25, 0.15, 0.1])
+    draws = sample_race_ref(probs.log().repeat(20000, 1), 1.0, seed=5, call=0, top_p=0.8)
+    freq = torch.bincount(draws, minlength=4).float() / 20000
+    assert (freq - torch.tensor([0.5, 0.25, 0.15, 0.0]) / 0.9).abs().max() < tol("race_frequency")
+    # rows whose largest logit is not finite keep everything: -inf everywhere, +inf, NaN
+    odd = torch.zeros(3, 1500)
+    odd[0] = float("-inf")
+    odd[1, 77] = float("inf")
+    odd[2, 600] = float("nan")
+    assert nucleus_key_ref(odd, 1.0, 0.5).tolist() == [0, 0, 0]
+    fast = _fast().sample_race
+    for c in range(3):
+        got, want = fast(odd.to(DEV), 1.0, 2, c, 0.5), sample_race_ref(odd.to(DEV), 1.0, 2, c, 0.5)
+        assert torch.equal(got, want) and got[1] == 77 and got[2] == 600 and got[0] < 1500
+
+
 @pytest.mark.parametrize("args, message", [
     ((torch.zeros(2, 3, 4), 1.0, 0, 0), r"logits must be float32 \[batch, vocab\]"),
     ((torch.zeros(2, 4, dtype=torch.bfloat16), 1.0, 0, 0), r"logits must be float32 \[batch, vocab\]"),
     ((torch.zeros(2, 4), 0.0, 0, 0), "temperature must be > 0"),
     ((torch.zeros(2, 4), 1.0, 1 << 64, 0), r"seed must be in \[0, 2\^64\)"),
     ((torch.zeros(2, 4), 1.0, 0, -1), r"call in \[0, 2\^63\)"),
+    ((torch.zeros(2, 4), 1.0, 0, 0, 0.0), r"top_p must be in \(0, 1\]"),
 ])
 def test_bad_arguments_are_refused(args, message):
     for f in (sample_race_ref, _fast().sample_race):
