@@ -108,9 +108,10 @@ def order_key_ref(x: torch.Tensor) -> torch.Tensor:
 
 def nucleus_key_ref(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
     """[B, V] -> [B] int64: the order key of the smallest logit the nucleus keeps (0, all, where a row's largest logit
-    is not finite). The nucleus of top_p < 1: the ids whose logit x has mass strictly above it, sum of p_j over
-    x_j > x (p = softmax(logits / T) in float64), below top_p; so every id tied with the smallest kept one is kept,
-    and the most likely always is. (`sample` keeps a prefix of the sorted ids instead: the same set but for ties.)"""
+    is not finite, NaN included). The nucleus of top_p < 1: the ids whose logit x has mass strictly above it, sum of
+    p_j over x_j > x (p = softmax(logits / T) in float64), below top_p; so every id tied with the smallest kept one
+    is kept, and the most likely always is (a top_p too small for fp32, as the kernel takes it, keeps just those).
+    (`sample` keeps a prefix of the sorted ids instead: the same set but for ties.)"""
     t = max(race_temperature(temperature), 2.0**-126)
     out = torch.zeros(logits.shape[0], dtype=torch.int64)
     for r, x in enumerate(logits.detach().cpu().double()):
@@ -122,7 +123,7 @@ def nucleus_key_ref(logits: torch.Tensor, temperature: float, top_p: float) -> t
         vals, inv = torch.unique(x, sorted=True, return_inverse=True)  # ascending
         mass = torch.zeros_like(vals).index_add_(0, inv, p)
         above = mass.flip(0).cumsum(0).flip(0) - mass  # strictly above each value
-        kept = vals[above < top_p]
+        kept = vals[(above < struct.unpack("f", struct.pack("f", top_p))[0]) | (above == 0)]
         out[r] = int(order_key_ref(kept.min().float().reshape(1))[0])
     return out
 
@@ -150,4 +151,5 @@ def register_ops(register) -> None:
     except ImportError:  # no Triton here: the reference runs
         fast = None
     register("sample_race", sample_race_ref, getattr(fast, "sample_race", None), interpretable=True,
-             doc="a token from softmax(logits / T) by an exponential race on counter-based noise, one launch")
+             doc="a token from softmax(logits / T) (or its top-p nucleus) by an exponential race on counter-based "
+                 "noise: one launch, six with top-p")

@@ -128,7 +128,7 @@ def _nucleus_kernel(l_ptr, sl, st_ptr, h_ptr, c_ptr, V, NB, temperature, top_p,
     if PASS == 0:
         offs = j * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(row + offs, mask=offs < V, other=float("-inf"))
-        m = tl.max(x, axis=0)
+        m = tl.max(tl.where(x == x, x, float("inf")), axis=0)  # a NaN counts as +inf: its row keeps everything
         m0 = tl.where((m > float("-inf")) & (m < float("inf")), m, 0.0)  # (no inf - inf: such rows keep all)
         z = tl.sum(tl.where(x > float("-inf"), tl.exp((x - m0) / temperature), 0.0), axis=0)
         tl.store(hb, m)
@@ -149,10 +149,11 @@ def _nucleus_kernel(l_ptr, sl, st_ptr, h_ptr, c_ptr, V, NB, temperature, top_p,
             sel = (offs < V) & (x > float("-inf"))
             if PASS > 1:
                 sel = sel & ((key >> (SHIFT + 8)) == prefix)
-            p = tl.where(sel, tl.exp((x - big) / temperature) / norm, 0.0)
-            hit = (((key >> SHIFT) & 255).to(tl.int32)[:, None] == bins[None, :]) & sel[:, None]
-            hm += tl.sum(tl.where(hit, p[:, None], 0.0), axis=0)
-            hc += tl.sum(hit.to(tl.float32), axis=0)
+            if tl.max(sel.to(tl.int32), axis=0) > 0:  # (past pass 1 few ids share the prefix: most chunks skip)
+                p = tl.where(sel, tl.exp((x - big) / temperature) / norm, 0.0)
+                hit = (((key >> SHIFT) & 255).to(tl.int32)[:, None] == bins[None, :]) & sel[:, None]
+                hm += tl.sum(tl.where(hit, p[:, None], 0.0), axis=0)
+                hc += tl.sum(hit.to(tl.float32), axis=0)
         tl.store(hb + bins, hm)
         tl.store(hb + 256 + bins, hc)
     tl.debug_barrier()  # the partials are stored before the (release) arrival
@@ -181,18 +182,23 @@ def _nucleus_kernel(l_ptr, sl, st_ptr, h_ptr, c_ptr, V, NB, temperature, top_p,
                 acc_c += tl.sum(tl.load(at + 256, mask=mk, other=0.0, cache_modifier=".cg"), axis=0)
             above = tl.load(st + 2)
             prefix = tl.load(st + 3).to(tl.uint32, bitcast=True)
-            # mass strictly above each bin: the mass above the prefix plus that of the higher bins
-            over = above + (tl.sum(acc_m, axis=0) - tl.cumsum(acc_m, axis=0))
+            # mass strictly above each bin: the mass above the prefix plus that of the higher bins (a suffix sum less
+            # the bin: the highest non-empty bin gets `above` exactly)
+            over = above + (tl.cumsum(acc_m, axis=0, reverse=True) - acc_m)
             take = tl.min(tl.where((acc_c > 0) & (over < top_p), bins, 256), axis=0)
-            finite = (tl.load(st) < float("inf")) & (tl.load(st) > float("-inf")) & (take < 256)
-            new_above = tl.sum(tl.where(bins == take, over, 0.0), axis=0)
+            # none below top_p (a top_p under fp32's smallest number, or rounding at the boundary): the highest
+            # non-empty bin, which holds the row's largest logit, whose mass above is `above` exactly
+            top = tl.max(tl.where(acc_c > 0, bins, -1), axis=0)
+            new_above = tl.where(take < 256, tl.sum(tl.where(bins == take, over, 0.0), axis=0), above)
+            take = tl.where(take < 256, take, top)
+            finite = (tl.load(st) < float("inf")) & (tl.load(st) > float("-inf")) & (take >= 0)
             new_prefix = (prefix << 8) | take.to(tl.uint32)
             tl.store(st + 2, tl.where(finite, new_above, 0.0))
             tl.store(st + 3, tl.where(finite, new_prefix, 0).to(tl.int32, bitcast=True).to(tl.float32, bitcast=True))
         tl.atomic_xchg(c_ptr + b, 0)
 
 
-_WORK: dict = {}  # (device, B, NB, stream role) -> (partial (key, log E) pairs, partial indices): made once
+_WORK: dict = {}  # (device, B, NB, nucleus, stream role) -> the partials (and the nucleus' state and bins): made once
 
 
 def _work(device: torch.device, B: int, NB: int, nucleus: bool = False) -> tuple[torch.Tensor, ...]:

@@ -213,6 +213,7 @@ def _check_nucleus(logits, temperature, top_p):
         k = order_key_ref(logits[r].cpu())
         lo, hi = sorted((int(got[r]), int(want[r])))
         between = (k >= lo) & (k < hi)  # the ids one side keeps and the other does not
+        assert between.any(), (r, got[r], want[r])  # (keys apart with no id between them would be the same set)
         above = torch.stack([p[x > v].sum() for v in x[between]])
         assert ((above - top_p).abs() < tol("race_nucleus_margin")).all(), (r, got[r], want[r])
     return got
@@ -244,12 +245,27 @@ def test_nucleus_keeps_ties_and_follows_the_distribution():
     draws = sample_race_ref(probs.log().repeat(20000, 1), 1.0, seed=5, call=0, top_p=0.8)
     freq = torch.bincount(draws, minlength=4).float() / 20000
     assert (freq - torch.tensor([0.5, 0.25, 0.15, 0.0]) / 0.9).abs().max() < tol("race_frequency")
+    # exact boundaries: mass above 0.25 is 0.5, not below top_p 0.5 (only the first kept); -0.0 counts as +0.0
+    for row, top_p in (([0.5, 0.25, 0.25], 0.5), ([0.5, 0.25, 0.125, 0.125], 0.75)):
+        x = torch.tensor([row]).log()
+        assert torch.equal(_nucleus_keys(x.to(DEV), 1.0, top_p), nucleus_key_ref(x, 1.0, top_p))
+    zeros = torch.tensor([[1.0, 0.0, -0.0, -0.0, -5.0]])
+    assert torch.equal(_nucleus_keys(zeros.to(DEV), 1.0, 0.9), nucleus_key_ref(zeros, 1.0, 0.9))
+    assert nucleus_key_ref(zeros, 1.0, 0.9) == order_key_ref(torch.tensor([0.0]))
+    # a top_p too small to reach any id (one below fp32's smallest number is 0): the largest logit alone is kept
+    g = torch.Generator().manual_seed(8)
+    wide = torch.randn(4, 2100, generator=g) * 10
+    for top_p in (1e-9, 1e-50):
+        want = order_key_ref(wide.max(-1).values)
+        assert torch.equal(nucleus_key_ref(wide, 30.0, top_p), want)
+        assert torch.equal(_nucleus_keys(wide.to(DEV), 30.0, top_p), want)
     # rows whose largest logit is not finite keep everything: -inf everywhere, +inf, NaN
     odd = torch.zeros(3, 1500)
     odd[0] = float("-inf")
     odd[1, 77] = float("inf")
     odd[2, 600] = float("nan")
     assert nucleus_key_ref(odd, 1.0, 0.5).tolist() == [0, 0, 0]
+    assert _nucleus_keys(odd.to(DEV), 1.0, 0.5).tolist() == [0, 0, 0]
     fast = _fast().sample_race
     for c in range(3):
         got, want = fast(odd.to(DEV), 1.0, 2, c, 0.5), sample_race_ref(odd.to(DEV), 1.0, 2, c, 0.5)
