@@ -96,7 +96,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                      help="nucleus sampling mass in (0, 1]; default from the checkpoint (1.0)")
     gen.add_argument("--top-k", type=int, metavar="K",
                      help="sample among the k most likely tokens; 0 disables (default)")
-    gen.add_argument("--seed", type=int, metavar="N", help="random seed, for reproducible sampling")
+    gen.add_argument("--seed", type=int, metavar="N",
+                     help="random seed, for reproducible sampling (the same seed, the same tokens under the same "
+                          "--kernels: the fast and the reference sampler draw from different random streams)")
     gen.add_argument("--stop", action="append", default=[], metavar="STR",
                      help="end the reply where this text appears (not included); repeatable")
 
