@@ -284,6 +284,10 @@ class Engine:
         except ValueError as e:
             raise EngineError(str(e)) from None
         self.state_ids: list[int] | None = []  # tokens whose KV the state holds; None: unknown (reset)
+        # the state after a prompt's first len(mark_ids) tokens (complete's `keep`), for a later prompt that starts
+        # with them but not with state_ids (thinking mode's next turn drops the reply's reasoning); None: no mark
+        self._mark = None
+        self.mark_ids: list[int] | None = None
         self.input_device = model.embed.weight.device  # ids enter at the embedding's device
         # On CUDA, decode replays one captured graph per layer (two for a CSA or HCA layer not first on its GPU:
         # dsv4/graphs.py)
@@ -355,6 +359,7 @@ class Engine:
                     TokenSampler(SamplingParams(seed=0, top_p=top_p), head.device, True)(
                         torch.zeros(1, head.shape[0], dtype=torch.float32, device=head.device))
         self.state_ids = []
+        self.mark_ids = None
 
     @classmethod
     def from_pretrained(cls, path: str | Path | CheckpointInfo | None = None, *,
@@ -429,8 +434,30 @@ class Engine:
         """
         prompt_ids = self.encode(messages, thinking_mode, reasoning_effort)
         parser = _make_parser(thinking_mode, declared_tools(messages))
+        keep = self.next_turn_prefix(messages, thinking_mode, reasoning_effort, prompt_ids) if reuse_prefix else None
         return self._run(prompt_ids, parser.feed, params, on_delta, stop, logprobs, reuse_prefix,
-                         finish=lambda: parser.flush(), message=lambda: parser.finish(strict=False))
+                         finish=lambda: parser.flush(), message=lambda: parser.finish(strict=False),
+                         keep=keep if keep is not None and keep < len(prompt_ids) else None)
+
+    def next_turn_prefix(self, messages: list[dict], thinking_mode: str, reasoning_effort: str | None,
+                         prompt_ids: list[int]) -> int | None:
+        """How many of `prompt_ids` (the rendering of `messages`) the next turn's prompt starts with: all of them where
+        the encoder renders this turn's reply after the prompt as it stands (chat mode, or thinking mode with tools),
+        fewer where it re-renders the prompt's end (thinking mode drops the reply's reasoning: the prompt's last
+        token, `<think>`, is not in the next turn's). Found by rendering the conversation with a placeholder reply
+        and user message; None where the encoder does not take that conversation."""
+        nxt = messages + [{"role": "assistant", "content": "x", "reasoning_content": "y"},
+                          {"role": "user", "content": "z"}]
+        try:
+            ids = self.encode(nxt, thinking_mode, reasoning_effort)
+        except EngineError:
+            return None
+        n = 0
+        for a, b in zip(prompt_ids, ids):
+            if a != b:
+                break
+            n += 1
+        return n
 
     def generate_raw(self, prompt: str, params: SamplingParams | None = None,
                      on_delta: Callable[[StreamDelta], None] | None = None, *,
@@ -450,7 +477,8 @@ class Engine:
         return self._run(prompt_ids, feed, params, on_delta, stop, logprobs, False,
                          finish=lambda: StreamDelta(), message=message)
 
-    def _run(self, prompt_ids, feed, params, on_delta, stop, logprobs, reuse_prefix, *, finish, message):
+    def _run(self, prompt_ids, feed, params, on_delta, stop, logprobs, reuse_prefix, *, finish, message,
+             keep=None):
         decoder = IncrementalDecoder(self.tokenizer)
         stops = StopStrings(stop)
 
@@ -467,7 +495,8 @@ class Engine:
                 emit(feed(text))
             return stopped
 
-        done = self.complete(prompt_ids, params, on_token=on_token, logprobs=logprobs, reuse_prefix=reuse_prefix)
+        done = self.complete(prompt_ids, params, on_token=on_token, logprobs=logprobs, reuse_prefix=reuse_prefix,
+                             keep=keep)
         if not stopped:  # text after a stop string is dropped; otherwise release what is held back
             tail, stopped = stops.push(decoder.flush())
             tail += "" if stopped else stops.flush()
@@ -493,6 +522,7 @@ class Engine:
         """Forget the state's contents (the next request prefills its whole prompt)."""
         self.state.reset()
         self.state_ids = []
+        self.mark_ids = None
 
     def _token_logprobs(self, logits: torch.Tensor, token: torch.Tensor, n: int) -> dict:
         lp = torch.log_softmax(logits.float(), dim=-1)[0]
@@ -510,14 +540,18 @@ class Engine:
     @torch.no_grad()
     def complete(self, prompt_ids: list[int], params: SamplingParams | None = None,
                  on_token: Callable[[int], bool | None] | None = None, *, logprobs: int | None = None,
-                 reuse_prefix: bool = False) -> Completion:
+                 reuse_prefix: bool = False, keep: int | None = None) -> Completion:
         """Prefill `prompt_ids`, then sample until EOS, max_new_tokens, the context limit, `on_token`
         returning True (a stop string: finish_reason "stop") or Ctrl-C (finish_reason "interrupted":
         the tokens so far are returned, the KeyboardInterrupt is not re-raised).
 
         logprobs N: per generated token, its log-probability under the model's distribution (before
         temperature and filters) and the N most likely alternatives. reuse_prefix: when the prompt
-        starts with the tokens already in the state, prefill only the rest.
+        starts with the tokens already in the state, prefill only the rest; else, when it starts with the tokens of
+        the last mark (`mark_ids`), go back to the state the mark holds and prefill the rest. keep: take a mark (one
+        per engine; a new one replaces the last) after the prompt's first `keep` tokens, where they are not all in
+        the reused prefix (the prefill then stops there and goes on); a later turn whose prompt starts with them but
+        not with the whole state continues from there instead of prefilling all of its prompt.
         """
         params = params or self.defaults
         P = len(prompt_ids)
@@ -533,12 +567,20 @@ class Engine:
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")
 
-        cached = self.state_ids
-        if not (reuse_prefix and cached and len(cached) < P and prompt_ids[:len(cached)] == cached
-                and self.state.pos == len(cached)):
+        cached, marked = self.state_ids, self.mark_ids
+        if reuse_prefix and cached and len(cached) < P and prompt_ids[:len(cached)] == cached \
+                and self.state.pos == len(cached):
+            pass  # the prompt extends the state
+        elif reuse_prefix and marked and len(marked) < P and prompt_ids[:len(marked)] == marked:
+            self.state.rewind(self._mark)  # (a mark stays valid while nothing before its position is rewritten)
+            cached = marked
+        else:
             self.state.reset()
-            cached = []
+            self.mark_ids, cached = None, []
         start = len(cached)
+        # the prefill's pieces: chunks from start, or from start to keep and from keep on (the mark is taken between)
+        cuts = [start, keep, P] if keep is not None and start <= keep <= P else [start, P]
+        pieces = [(s, min(s + PREFILL_CHUNK, b)) for a, b in zip(cuts, cuts[1:]) for s in range(a, b, PREFILL_CHUNK)]
         self.state_ids = None  # unknown until this request ends cleanly
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.input_device)
         out: list[int] = []
@@ -550,18 +592,25 @@ class Engine:
             # Only the last position's logits are needed: the LM head runs once, after the last chunk.
             if self.on_prefill is not None:
                 self.on_prefill(0, P - start)
-            for s in range(start, P, PREFILL_CHUNK):
-                chunk = ids[:, s:s + PREFILL_CHUNK]
-                if self.prefill is not None and self.prefill.applies(chunk.shape[1], s):
+            if keep == start:
+                self._take_mark(prompt_ids[:keep])
+            for s, e in pieces:
+                chunk = ids[:, s:e]
+                if self.prefill is not None and self.prefill.applies(e - s, s):
                     x = self.prefill.run(chunk, s)
-                    if s + PREFILL_CHUNK >= P:
+                    if e == P:
                         logits = self.model.head_logits(x, last_only=True)
-                elif s + PREFILL_CHUNK >= P:
+                elif e == P and e - s == 1 and s == keep and self.runner is not None:
+                    # the prompt's last token after a mark (thinking mode's `<think>`): a decode step of the graphs
+                    logits = self.runner.step(prompt_ids[s], s).view(1, 1, -1)
+                elif e == P:
                     logits = self.model(chunk, self.state, last_only=True)
                 else:
                     self.model.forward_streams(chunk, self.state)
+                if e == keep:
+                    self._take_mark(prompt_ids[:keep])
                 if self.on_prefill is not None:
-                    self.on_prefill(min(s + PREFILL_CHUNK, P) - start, P - start)
+                    self.on_prefill(e - start, P - start)
             sampler = TokenSampler(params, logits.device, self.fast_race)
             # one step ahead (graphs, no log-probabilities, from the second token on: the first is read before any
             # step is launched, so the time to first token holds no launch): the next step is queued on the sampled
@@ -624,6 +673,12 @@ class Engine:
             "decode_tok_s": (len(out) - 1) / decode_s if len(out) > 1 and decode_s > 0 else None,
         }
         return Completion(out, finish, P, timings, cached_tokens=start, logprobs=lps)
+
+    def _take_mark(self, ids: list[int]) -> None:
+        """Mark the state (now after `ids`) for a later request (complete's `keep`), in the last mark's buffers."""
+        self.mark_ids = None  # (unset while the copies are made: an interrupted copy leaves no mark)
+        self._mark = self.state.mark(into=self._mark)
+        self.mark_ids = list(ids)
 
     def with_defaults(self, **overrides) -> SamplingParams:
         """This checkpoint's default SamplingParams with the given (non-None) fields replaced."""

@@ -3,7 +3,10 @@
 Per block: the sliding-window KV ring (`sliding_window` slots, slot = p mod W), the compressed KV
 entries, the compressor's raw per-token partial windows (values and gate+ape scores, CSA also the
 previous complete window for the overlap) and its input rows of the open window (`x_ring`), and for CSA the
-indexer's key cache and its compressor state. `ModelState.reset()` starts a new sequence: positions to 0, compressor scores to -inf.
+indexer's key cache and its compressor state. `ModelState.reset()` starts a new sequence: positions to 0, compressor scores to -inf. `ModelState.mark()` copies what
+later positions overwrite (the rings and the compressors' open windows) and `rewind(mark)` puts it back: the state is
+then the one after the marked position again, whatever ran past it (a chat's next turn that re-renders the end of the
+last prompt, `Engine.complete(keep=...)`).
 
 With `kv_packed` (reference numerics, bf16 activations: the FP8 simulation of the K = V rows is on) the window ring and
 the attention compressor's entries hold packed FP8 rows (dsv4/ops/kv_pack.py: 592 bytes a Flash row instead of
@@ -80,6 +83,16 @@ class BlockState:
                 c.reset()
 
 
+class StateMark:
+    """A ModelState as it was at position `pos` (ModelState.mark): copies of the tensors that positions from `pos` on
+    overwrite, and the blocks' `lagging` flags. The rest of the state is indexed by position for good (the compressed
+    entries and the indexer's keys of the windows closed before `pos`), so the copies restore it whole as long as
+    nothing before `pos` is rewritten (a reset, or a prompt that diverges before `pos`, invalidates the mark)."""
+
+    def __init__(self, owner: ModelState, pos: int, tensors: list[torch.Tensor], lagging: list[bool]):
+        self.owner, self.pos, self.tensors, self.lagging = owner, pos, tensors, lagging
+
+
 class ModelState:
     """All state of `batch` sequences that advance together, for up to `max_len` positions."""
 
@@ -109,3 +122,34 @@ class ModelState:
         self.pos = 0
         for b in self.blocks + self.mtp:
             b.reset()
+
+    def _overwritten(self) -> list[torch.Tensor]:
+        """The tensors that positions past the current one overwrite in place: each block's window ring (slot = p mod
+        W), its compressors' input rows of the open window (x_ring, slot = p mod ratio) and the compressor states' open
+        windows (kv / score, CSA's previous window with them)."""
+        out = []
+        for b in self.blocks + self.mtp:
+            out.append(b.window)
+            if b.x_ring is not None:
+                out.append(b.x_ring)
+            out += [t for c in (b.compressor, b.indexer) if c is not None for t in (c.kv, c.score)]
+        return out
+
+    def mark(self, into: StateMark | None = None) -> StateMark:
+        """This state at `pos` as a StateMark that `rewind` restores (see StateMark for when it holds). `into`: an
+        earlier mark of this state whose buffers are reused (nothing is allocated then; the old mark is gone)."""
+        src = self._overwritten()
+        bufs = into.tensors if into is not None and into.owner is self else [torch.empty_like(t) for t in src]
+        for d, t in zip(bufs, src, strict=True):
+            d.copy_(t)
+        return StateMark(self, self.pos, bufs, [b.lagging for b in self.blocks + self.mtp])
+
+    def rewind(self, mark: StateMark) -> None:
+        """Back to the state `mark` was taken of, at mark.pos (device copies; no host sync)."""
+        if mark.owner is not self:
+            raise ValueError("the mark was taken of another state")
+        for d, t in zip(self._overwritten(), mark.tensors, strict=True):
+            d.copy_(t)
+        for b, lag in zip(self.blocks + self.mtp, mark.lagging, strict=True):
+            b.lagging = lag
+        self.pos = mark.pos

@@ -572,14 +572,18 @@ def test_interactive_thinking_drops_old_reasoning(capsys, env, script, monkeypat
     assert [(t["reasoning_content"], t["content"]) for t in turns] == [("Think A.", "Answer A."),
                                                                        ("Think B.", "Answer B.")]
     # the official encoder drops the reasoning of earlier turns in thinking mode: turn 2's prompt is
-    # the dropped rendering (so the state cannot be extended and is prefilled afresh)
+    # the dropped rendering, which leaves turn 1's prompt before its `<think>` (the state cannot be extended: it
+    # continues from the state marked there)
+    tok = load_tokenizer()
     history = [{"role": "user", "content": "First"},
                {"role": "assistant", "content": "Answer A.", "reasoning_content": "Think A."},
                {"role": "user", "content": "Second"}]
-    n = len(load_tokenizer().encode(encode_messages(history, "thinking")))
+    n = len(tok.encode(encode_messages(history, "thinking")))
     assert "Think A." not in encode_messages(history, "thinking")
     assert turns[1]["usage"]["prompt_tokens"] == n
-    assert turns[1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    first = len(tok.encode(encode_messages(history[:1], "thinking")))
+    assert turns[1]["usage"]["prompt_tokens_details"]["cached_tokens"] == first - 1
+    assert f"({first - 1} reused)" in err
 
 
 def test_no_effect_notes(capsys, env):

@@ -70,6 +70,17 @@ def forced(model, script: list[int], start: int):
         handle.remove()
 
 
+@contextmanager
+def recorded(model):
+    """The logits of every forward of `model` (the prompt's last chunk, each decode step), in a list."""
+    out: list[torch.Tensor] = []
+    handle = model.register_forward_hook(lambda _module, _args, logits: out.append(logits.clone()))
+    try:
+        yield out
+    finally:
+        handle.remove()
+
+
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12)
 
 
@@ -454,6 +465,93 @@ def test_raw_prompt_is_not_templated(engine):
     assert r.content == engine.tokenizer.decode(r.token_ids) and r.reasoning_content == ""
 
 
+# a user message of k words whose thinking-mode prompt less its `<think>` ends at a CSA and HCA boundary (16), inside
+# a CSA window (18) and at its last row (35)
+@pytest.mark.parametrize("words", [12, 14, 31])
+def test_thinking_turns_continue_from_the_mark_before_the_dropped_reasoning(model, tokenizer, words):
+    # thinking mode renders a reply without its reasoning in the next turn's prompt, which leaves the state after the
+    # last prompt's `<｜Assistant｜>` (its `<think>` is not in the next prompt): the engine marked the state there and
+    # the next turn continues from the mark, with the logits of a run that never went past it (the same chunks)
+    eng = Engine(model, tokenizer, max_context=512)
+    msgs = [{"role": "user", "content": "Hello " * words}]
+    first = eng.encode(msgs, "thinking")
+    mark = len(first) - 1
+    assert mark == 16 + 2 * (words == 14) + 19 * (words == 31)
+    reply = "Let me think about it. " * 8 + "</think>Hi there!<｜end▁of▁sentence｜>"  # wraps the 16-row ring
+    with forced(model, tokenizer.encode(reply), start=len(first)):
+        r1 = eng.generate(msgs, "thinking", params=SamplingParams(temperature=0, max_new_tokens=80),
+                          reuse_prefix=True)
+    assert r1.content == "Hi there!" and r1.finish_reason == "stop" and len(r1.token_ids) > 2 * 16
+    assert eng.mark_ids == first[:-1] and eng.state.pos > len(first) + 32
+    msgs += [r1.message(), {"role": "user", "content": "How are you?"}]
+    second = eng.encode(msgs, "thinking")
+    assert second[:mark] == first[:mark] and second[mark] != first[mark]  # the state cannot be extended
+    params = SamplingParams(temperature=0, max_new_tokens=6)
+    with recorded(model) as got:
+        c = eng.complete(second, params, reuse_prefix=True)
+    straight = Engine(model, tokenizer, max_context=512)  # the same chunks, never past the mark
+    with recorded(model) as want:
+        r = straight.complete(second, params, keep=mark)
+    assert c.cached_tokens == mark and r.cached_tokens == 0 and c.token_ids == r.token_ids
+    assert len(got) == len(want) == 6 and all(torch.equal(a, b) for a, b in zip(got, want))
+    # the turn itself goes back to the same mark again (and marks its own prompt less its `<think>`)
+    r2 = eng.generate(msgs, "thinking", params=params, reuse_prefix=True)
+    assert r2.usage["prompt_tokens_details"]["cached_tokens"] == mark
+    fresh = Engine(model, tokenizer, max_context=512).generate(msgs, "thinking", params=params)
+    assert r2.token_ids == fresh.token_ids  # (other chunks: the same tokens)
+    # the third turn continues from the second's mark
+    msgs += [r2.message(), {"role": "user", "content": "Bye."}]
+    assert eng.mark_ids == second[:-1]
+    r3 = eng.generate(msgs, "thinking", params=params, reuse_prefix=True)
+    assert r3.usage["prompt_tokens_details"]["cached_tokens"] == len(second) - 1
+    # a request that does not reuse the state drops the mark, whose positions it rewrites
+    eng.generate(msgs[:1], "thinking", params=params)
+    assert eng.mark_ids is None
+    again = eng.generate(msgs, "thinking", params=params, reuse_prefix=True)
+    assert again.usage["prompt_tokens_details"]["cached_tokens"] == 0 and again.token_ids == r3.token_ids
+
+
+def test_a_decode_runner_continues_from_a_mark(model, tokenizer):
+    # the CPU twin of test_cuda_graphs_continue_from_a_mark: an eager DecodeRunner feeds the marked prompt's last
+    # token and the decode steps (its CSA and HCA layers defer their compressors at the positions that close no
+    # window), and the next prompt continues from the mark with the tokens of an engine that never went past it
+    from dsv4.graphs import DecodeRunner
+
+    eng = Engine(model, tokenizer, max_context=512)
+    eng.runner, eng.step_ahead = DecodeRunner(model, eng.state, use_graphs=False), False
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=40)
+    first = prompt_ids(150, 3)
+    mark = len(first) - 1
+    eng.complete(first, greedy, reuse_prefix=True, keep=mark)
+    assert eng.mark_ids == first[:-1] and eng.state.pos > mark + 16
+    assert any(b.lagging for b in eng.state.blocks)
+    second = first[:-1] + prompt_ids(30, 4)
+    b = eng.complete(second, greedy, reuse_prefix=True)
+    plain = Engine(model, tokenizer, max_context=512).complete(second, greedy, keep=mark)
+    assert b.cached_tokens == mark and b.token_ids == plain.token_ids and plain.cached_tokens == 0
+
+
+def test_an_interrupted_request_keeps_the_mark(model, tokenizer):
+    # Ctrl-C after the mark leaves the state untrusted (state_ids None) but the mark whole: only positions past it
+    # were written, so the next prompt that starts with the mark's tokens continues from it
+    eng = Engine(model, tokenizer, max_context=512)
+    first = prompt_ids(40, 5)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=30)
+
+    def interrupt(_token_id):
+        if len(seen) == 20:
+            raise KeyboardInterrupt
+        seen.append(_token_id)
+
+    seen: list[int] = []
+    done = eng.complete(first, greedy, on_token=interrupt, reuse_prefix=True, keep=37)
+    assert done.finish_reason == "interrupted" and eng.state_ids is None and eng.mark_ids == first[:37]
+    second = first[:37] + prompt_ids(9, 6)
+    again = eng.complete(second, greedy, reuse_prefix=True)
+    plain = Engine(model, tokenizer, max_context=512).complete(second, greedy, keep=37)
+    assert again.cached_tokens == 37 and again.token_ids == plain.token_ids
+
+
 def test_multi_turn_reuses_the_prefix(model, tokenizer):
     eng = Engine(model, tokenizer, max_context=512)
     reply = "Hi there!<｜end▁of▁sentence｜>"
@@ -559,6 +657,29 @@ def test_cuda_graph_decode_with_prefix_reuse_logprobs_and_stop(tokenizer):
     fresh = Engine(model, tokenizer, max_context=512, graphs=False).complete(second, greedy, logprobs=2)
     assert b.token_ids == fresh.token_ids and fresh.cached_tokens == 0
     for x, y in zip(b.logprobs, fresh.logprobs):
+        assert x["id"] == y["id"] and abs(x["logprob"] - y["logprob"]) < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_continue_from_a_mark(tokenizer):
+    # a prompt marked before its last token (which then runs as a decode step of the graphs), decoded past the mark
+    # by graph steps that defer their compressors, then a prompt that leaves it there: the graphs continue from the
+    # mark with the tokens of an eager engine that never went past it (the same chunks)
+    raw = tiny_config([4, 0, 16], n_mtp=0, vocab=VOCAB, max_pos=1024)
+    model = random_model(raw, Numerics("exact", torch.float32), seed=1).place(["cuda:0"])
+    graphs = Engine(model, tokenizer, max_context=512, graphs=True)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=40)
+    first = prompt_ids(150, 3)
+    mark = len(first) - 1
+    graphs.complete(first, greedy, reuse_prefix=True, keep=mark)
+    assert graphs.mark_ids == first[:-1] and graphs.state.pos > mark + 16
+    second = first[:-1] + prompt_ids(30, 4)
+    b = graphs.complete(second, greedy, reuse_prefix=True, logprobs=2)
+    assert b.cached_tokens == mark
+    eager = Engine(model, tokenizer, max_context=512, graphs=False).complete(second, greedy, logprobs=2, keep=mark)
+    assert b.token_ids == eager.token_ids and eager.cached_tokens == 0
+    for x, y in zip(b.logprobs, eager.logprobs):
         assert x["id"] == y["id"] and abs(x["logprob"] - y["logprob"]) < 1e-3
 
 
