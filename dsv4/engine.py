@@ -263,7 +263,9 @@ class Engine:
 
     The decode state is preallocated once for `max_context` tokens (prompt + completion). Each
     request resets it, unless it asks to reuse the prefix: then a prompt that starts with the
-    tokens already in the state only prefills its new suffix (multi-turn chat).
+    tokens already in the state only prefills its new suffix (multi-turn chat), and one that starts
+    with the tokens of the engine's mark (the state kept after part of an earlier prompt: a thinking
+    turn's prompt less its `<think>`, which the next turn renders otherwise) continues from there.
     """
 
     def __init__(self, model, tokenizer, max_context: int, release: str = "preview", *,
@@ -430,14 +432,16 @@ class Engine:
         Tools declared in the conversation (`tools` on a system/developer message) go to the output
         parser. `stop`: strings that end the turn (not included in the text). `logprobs`: report
         the chosen token's log-probability and this many alternatives per generated token.
-        `reuse_prefix`: keep the state's tokens when the prompt starts with them (multi-turn chat).
+        `reuse_prefix`: keep the state's tokens when the prompt starts with them (multi-turn chat), or
+        continue from the mark when it starts with the mark's; and mark the state where the next turn's prompt
+        leaves this one (`next_turn_prefix`).
         """
         prompt_ids = self.encode(messages, thinking_mode, reasoning_effort)
         parser = _make_parser(thinking_mode, declared_tools(messages))
         keep = self.next_turn_prefix(messages, thinking_mode, reasoning_effort, prompt_ids) if reuse_prefix else None
         return self._run(prompt_ids, parser.feed, params, on_delta, stop, logprobs, reuse_prefix,
                          finish=lambda: parser.flush(), message=lambda: parser.finish(strict=False),
-                         keep=keep if keep is not None and keep < len(prompt_ids) else None)
+                         keep=keep or None)
 
     def next_turn_prefix(self, messages: list[dict], thinking_mode: str, reasoning_effort: str | None,
                          prompt_ids: list[int]) -> int | None:
@@ -519,10 +523,10 @@ class Engine:
         return self.complete(prompt_ids, params).token_ids
 
     def reset(self) -> None:
-        """Forget the state's contents (the next request prefills its whole prompt)."""
+        """Forget the state's contents and its mark (the next request prefills its whole prompt)."""
+        self.state_ids = self.mark_ids = None  # (before the state changes: see complete)
         self.state.reset()
         self.state_ids = []
-        self.mark_ids = None
 
     def _token_logprobs(self, logits: torch.Tensor, token: torch.Tensor, n: int) -> dict:
         lp = torch.log_softmax(logits.float(), dim=-1)[0]
@@ -568,20 +572,20 @@ class Engine:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")
 
         cached, marked = self.state_ids, self.mark_ids
+        # state_ids is unknown until this request ends cleanly, and a reset state holds no mark: both are dropped
+        # before the state changes (a Ctrl-C during the rewind or the reset leaves nothing that trusts it)
+        self.state_ids = None
         if reuse_prefix and cached and len(cached) < P and prompt_ids[:len(cached)] == cached \
                 and self.state.pos == len(cached):
-            pass  # the prompt extends the state
+            rewind = None  # the prompt extends the state
         elif reuse_prefix and marked and len(marked) < P and prompt_ids[:len(marked)] == marked:
-            self.state.rewind(self._mark)  # (a mark stays valid while nothing before its position is rewritten)
-            cached = marked
+            rewind, cached = self._mark, marked  # (valid while nothing before its position is rewritten)
         else:
-            self.state.reset()
-            self.mark_ids, cached = None, []
+            rewind, cached, self.mark_ids = "reset", [], None
         start = len(cached)
         # the prefill's pieces: chunks from start, or from start to keep and from keep on (the mark is taken between)
         cuts = [start, keep, P] if keep is not None and start <= keep <= P else [start, P]
         pieces = [(s, min(s + PREFILL_CHUNK, b)) for a, b in zip(cuts, cuts[1:]) for s in range(a, b, PREFILL_CHUNK)]
-        self.state_ids = None  # unknown until this request ends cleanly
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.input_device)
         out: list[int] = []
         lps: list[dict] | None = [] if logprobs is not None else None
@@ -589,6 +593,10 @@ class Engine:
         t0 = time.perf_counter()
         t_first = None
         try:
+            if rewind == "reset":
+                self.state.reset()
+            elif rewind is not None:
+                self.state.rewind(rewind)
             # Only the last position's logits are needed: the LM head runs once, after the last chunk.
             if self.on_prefill is not None:
                 self.on_prefill(0, P - start)

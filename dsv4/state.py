@@ -87,10 +87,11 @@ class StateMark:
     """A ModelState as it was at position `pos` (ModelState.mark): copies of the tensors that positions from `pos` on
     overwrite, and the blocks' `lagging` flags. The rest of the state is indexed by position for good (the compressed
     entries and the indexer's keys of the windows closed before `pos`), so the copies restore it whole as long as
-    nothing before `pos` is rewritten (a reset, or a prompt that diverges before `pos`, invalidates the mark)."""
+    nothing before `pos` is rewritten (a reset, or a prompt that diverges before `pos`, invalidates the mark: `rewind`
+    refuses a mark taken before the state's last reset; the rest is the caller's, e.g. Engine.mark_ids)."""
 
-    def __init__(self, owner: ModelState, pos: int, tensors: list[torch.Tensor], lagging: list[bool]):
-        self.owner, self.pos, self.tensors, self.lagging = owner, pos, tensors, lagging
+    def __init__(self, owner: ModelState, pos: int, tensors: list[torch.Tensor], lagging: list[bool], epoch: int):
+        self.owner, self.pos, self.tensors, self.lagging, self.epoch = owner, pos, tensors, lagging, epoch
 
 
 class ModelState:
@@ -110,6 +111,7 @@ class ModelState:
             )
         self.batch, self.max_len = batch, max_len
         self.pos = 0  # number of tokens already processed (the next token's position)
+        self.epoch = 0  # resets so far (a StateMark from an earlier epoch no longer holds)
         bdev = block_devices or [device] * len(cfg.layers)
         mdev = mtp_devices or [device] * len(cfg.mtp_layers)
         self.kv_packed, self.keys_packed = kv_packed, keys_packed
@@ -120,6 +122,7 @@ class ModelState:
 
     def reset(self) -> None:
         self.pos = 0
+        self.epoch += 1
         for b in self.blocks + self.mtp:
             b.reset()
 
@@ -142,12 +145,14 @@ class ModelState:
         bufs = into.tensors if into is not None and into.owner is self else [torch.empty_like(t) for t in src]
         for d, t in zip(bufs, src, strict=True):
             d.copy_(t)
-        return StateMark(self, self.pos, bufs, [b.lagging for b in self.blocks + self.mtp])
+        return StateMark(self, self.pos, bufs, [b.lagging for b in self.blocks + self.mtp], self.epoch)
 
     def rewind(self, mark: StateMark) -> None:
         """Back to the state `mark` was taken of, at mark.pos (device copies; no host sync)."""
         if mark.owner is not self:
             raise ValueError("the mark was taken of another state")
+        if mark.epoch != self.epoch:
+            raise ValueError("the mark was taken before the state's last reset")
         for d, t in zip(self._overwritten(), mark.tensors, strict=True):
             d.copy_(t)
         for b, lag in zip(self.blocks + self.mtp, mark.lagging, strict=True):

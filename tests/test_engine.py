@@ -504,11 +504,35 @@ def test_thinking_turns_continue_from_the_mark_before_the_dropped_reasoning(mode
     assert eng.mark_ids == second[:-1]
     r3 = eng.generate(msgs, "thinking", params=params, reuse_prefix=True)
     assert r3.usage["prompt_tokens_details"]["cached_tokens"] == len(second) - 1
-    # a request that does not reuse the state drops the mark, whose positions it rewrites
+    # a request that does not reuse the state drops the mark, whose positions it rewrites; so does Engine.reset
     eng.generate(msgs[:1], "thinking", params=params)
     assert eng.mark_ids is None
     again = eng.generate(msgs, "thinking", params=params, reuse_prefix=True)
     assert again.usage["prompt_tokens_details"]["cached_tokens"] == 0 and again.token_ids == r3.token_ids
+    assert eng.mark_ids == eng.encode(msgs, "thinking")[:-1]
+    eng.reset()
+    assert eng.mark_ids is None and eng.state_ids == []
+    again = eng.generate(msgs, "thinking", params=params, reuse_prefix=True)
+    assert again.usage["prompt_tokens_details"]["cached_tokens"] == 0 and again.token_ids == r3.token_ids
+
+
+def test_a_chat_turn_whose_reply_renders_otherwise_continues_from_the_whole_last_prompt(model, tokenizer):
+    # chat mode marks the state after the whole prompt: a reply sampled as tokens that its text does not encode to
+    # ("H", "i" for "Hi") is re-rendered otherwise in the next prompt, which then continues from that mark
+    eng = Engine(model, tokenizer, max_context=512)
+    msgs = [{"role": "user", "content": "Hello"}]
+    first = eng.encode(msgs, "chat")
+    script = tokenizer.encode("H") + tokenizer.encode("i") + [EOS]
+    assert tokenizer.encode("Hi") != script[:2]
+    with forced(model, script, start=len(first)):
+        r1 = eng.generate(msgs, "chat", params=GREEDY, reuse_prefix=True)
+    assert r1.content == "Hi" and eng.mark_ids == first
+    msgs += [r1.message(), {"role": "user", "content": "And?"}]
+    second = eng.encode(msgs, "chat")
+    assert second[:len(eng.state_ids)] != eng.state_ids  # the state cannot be extended
+    r2 = eng.generate(msgs, "chat", params=GREEDY, reuse_prefix=True)
+    assert r2.usage["prompt_tokens_details"]["cached_tokens"] == len(first)
+    assert r2.token_ids == Engine(model, tokenizer, max_context=512).generate(msgs, "chat", params=GREEDY).token_ids
 
 
 def test_a_decode_runner_continues_from_a_mark(model, tokenizer):
@@ -522,9 +546,11 @@ def test_a_decode_runner_continues_from_a_mark(model, tokenizer):
     greedy = SamplingParams(temperature=0.0, max_new_tokens=40)
     first = prompt_ids(150, 3)
     mark = len(first) - 1
-    eng.complete(first, greedy, reuse_prefix=True, keep=mark)
+    a = eng.complete(first, greedy, reuse_prefix=True, keep=mark)
     assert eng.mark_ids == first[:-1] and eng.state.pos > mark + 16
     assert any(b.lagging for b in eng.state.blocks)
+    # the prompt's last token went through the runner's decode step: the tokens of a prefill without a mark
+    assert a.token_ids == Engine(model, tokenizer, max_context=512).complete(first, greedy).token_ids
     second = first[:-1] + prompt_ids(30, 4)
     b = eng.complete(second, greedy, reuse_prefix=True)
     plain = Engine(model, tokenizer, max_context=512).complete(second, greedy, keep=mark)
@@ -547,9 +573,22 @@ def test_an_interrupted_request_keeps_the_mark(model, tokenizer):
     done = eng.complete(first, greedy, on_token=interrupt, reuse_prefix=True, keep=37)
     assert done.finish_reason == "interrupted" and eng.state_ids is None and eng.mark_ids == first[:37]
     second = first[:37] + prompt_ids(9, 6)
+
+    def broken(*_args):  # Ctrl-C inside the rewind (or the reset): nothing trusts the state afterwards
+        raise KeyboardInterrupt
+
+    eng.state.rewind = broken
+    done = eng.complete(second, greedy, reuse_prefix=True)
+    assert done.finish_reason == "interrupted" and done.token_ids == [] and eng.state_ids is None
+    assert eng.mark_ids == first[:37]  # (the mark's own buffers are untouched)
+    del eng.state.rewind
     again = eng.complete(second, greedy, reuse_prefix=True)
     plain = Engine(model, tokenizer, max_context=512).complete(second, greedy, keep=37)
     assert again.cached_tokens == 37 and again.token_ids == plain.token_ids
+    eng.state.reset = broken
+    done = eng.complete(prompt_ids(9, 7), greedy, reuse_prefix=True)
+    assert done.finish_reason == "interrupted" and eng.state_ids is None and eng.mark_ids is None
+    del eng.state.reset
 
 
 def test_multi_turn_reuses_the_prefix(model, tokenizer):
@@ -672,15 +711,18 @@ def test_cuda_graphs_continue_from_a_mark(tokenizer):
     greedy = SamplingParams(temperature=0.0, max_new_tokens=40)
     first = prompt_ids(150, 3)
     mark = len(first) - 1
-    graphs.complete(first, greedy, reuse_prefix=True, keep=mark)
+    a = graphs.complete(first, greedy, reuse_prefix=True, keep=mark, logprobs=2)
     assert graphs.mark_ids == first[:-1] and graphs.state.pos > mark + 16
     second = first[:-1] + prompt_ids(30, 4)
     b = graphs.complete(second, greedy, reuse_prefix=True, logprobs=2)
     assert b.cached_tokens == mark
-    eager = Engine(model, tokenizer, max_context=512, graphs=False).complete(second, greedy, logprobs=2, keep=mark)
-    assert b.token_ids == eager.token_ids and eager.cached_tokens == 0
-    for x, y in zip(b.logprobs, eager.logprobs):
-        assert x["id"] == y["id"] and abs(x["logprob"] - y["logprob"]) < 1e-3
+    eager = Engine(model, tokenizer, max_context=512, graphs=False)
+    # the marked prompt's last token (a decode step of the graphs) and the continuation from the mark
+    for got, prompt in ((a, first), (b, second)):
+        want = eager.complete(prompt, greedy, logprobs=2, keep=mark)
+        assert got.token_ids == want.token_ids and want.cached_tokens == 0
+        for x, y in zip(got.logprobs, want.logprobs):
+            assert x["id"] == y["id"] and abs(x["logprob"] - y["logprob"]) < 1e-3
 
 
 @pytest.mark.gpu

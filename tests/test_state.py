@@ -116,3 +116,7 @@ def test_mark_reuses_its_buffers_and_belongs_to_its_state(model):
         assert b.mark(into=first).tensors[0] is not first.tensors[0]  # another state's mark: new buffers
         with pytest.raises(ValueError, match="another state"):
             b.rewind(second)
+        a.rewind(second)  # (again: a mark holds until the state is reset)
+        a.reset()
+        with pytest.raises(ValueError, match="before the state's last reset"):
+            a.rewind(second)
