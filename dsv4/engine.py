@@ -578,7 +578,8 @@ class Engine:
         if reuse_prefix and cached and len(cached) < P and prompt_ids[:len(cached)] == cached \
                 and self.state.pos == len(cached):
             rewind = None  # the prompt extends the state
-        elif reuse_prefix and marked and len(marked) < P and prompt_ids[:len(marked)] == marked:
+        elif reuse_prefix and marked and len(marked) < P and prompt_ids[:len(marked)] == marked \
+                and self._mark.epoch == self.state.epoch:
             rewind, cached = self._mark, marked  # (valid while nothing before its position is rewritten)
         else:
             rewind, cached, self.mark_ids = "reset", [], None

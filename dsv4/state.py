@@ -3,10 +3,10 @@
 Per block: the sliding-window KV ring (`sliding_window` slots, slot = p mod W), the compressed KV
 entries, the compressor's raw per-token partial windows (values and gate+ape scores, CSA also the
 previous complete window for the overlap) and its input rows of the open window (`x_ring`), and for CSA the
-indexer's key cache and its compressor state. `ModelState.reset()` starts a new sequence: positions to 0, compressor scores to -inf. `ModelState.mark()` copies what
-later positions overwrite (the rings and the compressors' open windows) and `rewind(mark)` puts it back: the state is
-then the one after the marked position again, whatever ran past it (a chat's next turn that re-renders the end of the
-last prompt, `Engine.complete(keep=...)`).
+indexer's key cache and its compressor state. `ModelState.reset()` starts a new sequence: positions to 0, compressor
+scores to -inf. `ModelState.mark()` copies what later positions overwrite (the rings and the compressors' open
+windows) and `rewind(mark)` puts it back: the state is then the one after the marked position again, whatever ran past
+it (a chat's next turn that re-renders the end of the last prompt, `Engine.complete(keep=...)`).
 
 With `kv_packed` (reference numerics, bf16 activations: the FP8 simulation of the K = V rows is on) the window ring and
 the attention compressor's entries hold packed FP8 rows (dsv4/ops/kv_pack.py: 592 bytes a Flash row instead of

@@ -510,6 +510,9 @@ def test_thinking_turns_continue_from_the_mark_before_the_dropped_reasoning(mode
     again = eng.generate(msgs, "thinking", params=params, reuse_prefix=True)
     assert again.usage["prompt_tokens_details"]["cached_tokens"] == 0 and again.token_ids == r3.token_ids
     assert eng.mark_ids == eng.encode(msgs, "thinking")[:-1]
+    eng.state.reset()  # (a reset behind the engine's back: the mark no longer holds and is not used)
+    again = eng.generate(msgs, "thinking", params=params, reuse_prefix=True)
+    assert again.usage["prompt_tokens_details"]["cached_tokens"] == 0 and again.token_ids == r3.token_ids
     eng.reset()
     assert eng.mark_ids is None and eng.state_ids == []
     again = eng.generate(msgs, "thinking", params=params, reuse_prefix=True)
