@@ -286,10 +286,11 @@ class Engine:
         except ValueError as e:
             raise EngineError(str(e)) from None
         self.state_ids: list[int] | None = []  # tokens whose KV the state holds; None: unknown (reset)
-        # the state after a prompt's first len(mark_ids) tokens (complete's `keep`), for a later prompt that starts
-        # with them but not with state_ids (thinking mode's next turn drops the reply's reasoning); None: no mark
-        self._mark = None
-        self.mark_ids: list[int] | None = None
+        # marks, oldest first: (ids, StateMark), the state after a prompt's first len(ids) tokens (complete's `keep`),
+        # for a later prompt that starts with them but not with state_ids (thinking mode's next turn drops the reply's
+        # reasoning); at most MARKS, and the buffers of dropped ones kept for the next (`_spare`)
+        self._marks: list = []
+        self._spare: list = []
         self.input_device = model.embed.weight.device  # ids enter at the embedding's device
         # On CUDA, decode replays one captured graph per layer (two for a CSA or HCA layer not first on its GPU:
         # dsv4/graphs.py)
@@ -361,7 +362,7 @@ class Engine:
                     TokenSampler(SamplingParams(seed=0, top_p=top_p), head.device, True)(
                         torch.zeros(1, head.shape[0], dtype=torch.float32, device=head.device))
         self.state_ids = []
-        self.mark_ids = None
+        self._drop_marks()
 
     @classmethod
     def from_pretrained(cls, path: str | Path | CheckpointInfo | None = None, *,
@@ -524,7 +525,8 @@ class Engine:
 
     def reset(self) -> None:
         """Forget the state's contents and its mark (the next request prefills its whole prompt)."""
-        self.state_ids = self.mark_ids = None  # (before the state changes: see complete)
+        self.state_ids = None  # (before the state changes: see complete)
+        self._drop_marks()
         self.state.reset()
         self.state_ids = []
 
@@ -552,10 +554,11 @@ class Engine:
         logprobs N: per generated token, its log-probability under the model's distribution (before
         temperature and filters) and the N most likely alternatives. reuse_prefix: when the prompt
         starts with the tokens already in the state, prefill only the rest; else, when it starts with the tokens of
-        the last mark (`mark_ids`), go back to the state the mark holds and prefill the rest. keep: take a mark (one
-        per engine; a new one replaces the last) after the prompt's first `keep` tokens, where they are not all in
-        the reused prefix (the prefill then stops there and goes on); a later turn whose prompt starts with them but
-        not with the whole state continues from there instead of prefilling all of its prompt.
+        one of the engine's marks (the longest), go back to the state the mark holds and prefill the rest. keep: take
+        a mark after the prompt's first `keep` tokens, where they are not all in the reused prefix (the prefill then
+        stops there and goes on); a later turn whose prompt starts with them but not with the whole state continues
+        from there instead of prefilling all of its prompt. The engine keeps the newest MARKS marks; a request drops
+        those past the position it starts writing at.
         """
         params = params or self.defaults
         P = len(prompt_ids)
@@ -571,19 +574,22 @@ class Engine:
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")
 
-        cached, marked = self.state_ids, self.mark_ids
-        # state_ids is unknown until this request ends cleanly, and a reset state holds no mark: both are dropped
-        # before the state changes (a Ctrl-C during the rewind or the reset leaves nothing that trusts it)
+        cached = self.state_ids
+        # the longest mark the prompt starts with (a mark stays valid while nothing before its position is rewritten)
+        marked = max((m for m in self._marks if 0 < len(m[0]) < P and prompt_ids[:len(m[0])] == m[0]
+                      and m[1].epoch == self.state.epoch), key=lambda m: len(m[0]), default=None)
+        # state_ids is unknown until this request ends cleanly, and the marks this request's writes invalidate are
+        # dropped: both before the state changes (a Ctrl-C during the rewind or the reset leaves nothing that trusts it)
         self.state_ids = None
         if reuse_prefix and cached and len(cached) < P and prompt_ids[:len(cached)] == cached \
                 and self.state.pos == len(cached):
             rewind = None  # the prompt extends the state
-        elif reuse_prefix and marked and len(marked) < P and prompt_ids[:len(marked)] == marked \
-                and self._mark.epoch == self.state.epoch:
-            rewind, cached = self._mark, marked  # (valid while nothing before its position is rewritten)
+        elif reuse_prefix and marked is not None:
+            rewind, cached = marked[1], marked[0]
         else:
-            rewind, cached, self.mark_ids = "reset", [], None
+            rewind, cached = "reset", []
         start = len(cached)
+        self._drop_marks(lambda m: rewind == "reset" or m.pos > start)  # positions from start on are rewritten
         # the prefill's pieces: chunks from start, or from start to keep and from keep on (the mark is taken between)
         cuts = [start, keep, P] if keep is not None and start <= keep <= P else [start, P]
         pieces = [(s, min(s + PREFILL_CHUNK, b)) for a, b in zip(cuts, cuts[1:]) for s in range(a, b, PREFILL_CHUNK)]
@@ -683,11 +689,31 @@ class Engine:
         }
         return Completion(out, finish, P, timings, cached_tokens=start, logprobs=lps)
 
+    # marks an engine keeps: the newest and the one before it (a turn interrupted after its own mark leaves the last
+    # turn's, which the chat's next message starts with)
+    MARKS = 2
+
+    @property
+    def mark_ids(self) -> list[int] | None:
+        """The tokens of the newest mark (None: no mark)."""
+        return self._marks[-1][0] if self._marks else None
+
+    def _drop_marks(self, which=lambda mark: True) -> None:
+        """Drop the marks `which` (StateMark -> bool) picks; their buffers are kept for the next mark."""
+        keep = [m for m in self._marks if not which(m[1])]
+        self._spare += [m[1] for m in self._marks if which(m[1])]
+        self._marks = keep
+
     def _take_mark(self, ids: list[int]) -> None:
-        """Mark the state (now after `ids`) for a later request (complete's `keep`), in the last mark's buffers."""
-        self.mark_ids = None  # (unset while the copies are made: an interrupted copy leaves no mark)
-        self._mark = self.state.mark(into=self._mark)
-        self.mark_ids = list(ids)
+        """Mark the state (now after `ids`) for a later request (complete's `keep`), in a dropped mark's buffers (the
+        oldest mark's once MARKS are kept) where there are some."""
+        if any(m[0] == ids for m in self._marks):  # (the mark this request went back to)
+            return
+        if len(self._marks) >= self.MARKS:
+            oldest = self._marks[0][1]
+            self._drop_marks(lambda m: m is oldest)
+        into = self._spare.pop() if self._spare else None  # (off both lists while the copies are made: an
+        self._marks.append((list(ids), self.state.mark(into=into)))  # interrupted copy leaves no mark)
 
     def with_defaults(self, **overrides) -> SamplingParams:
         """This checkpoint's default SamplingParams with the given (non-None) fields replaced."""

@@ -519,6 +519,53 @@ def test_thinking_turns_continue_from_the_mark_before_the_dropped_reasoning(mode
     assert again.usage["prompt_tokens_details"]["cached_tokens"] == 0 and again.token_ids == r3.token_ids
 
 
+def test_a_turn_interrupted_after_its_mark_leaves_the_last_turns_mark(model, tokenizer):
+    # `dsv4 -i` drops a turn interrupted by Ctrl-C; the next message's prompt starts with the last finished turn's
+    # mark (not with the dropped turn's, which replaced it as the newest), so it continues from there; the engine
+    # keeps at most MARKS marks' buffers however many turns run
+    eng = Engine(model, tokenizer, max_context=1024)
+    params = SamplingParams(temperature=0, max_new_tokens=20)
+    msgs = [{"role": "user", "content": "Hello"}]
+    r1 = eng.generate(msgs, "thinking", params=params, reuse_prefix=True)
+    first = eng.encode(msgs, "thinking")
+    msgs.append(r1.message())
+
+    def interrupt(_delta):
+        raise KeyboardInterrupt
+
+    dropped = eng.generate(msgs + [{"role": "user", "content": "Tell me a long story."}], "thinking",
+                           params=params, reuse_prefix=True, on_delta=interrupt)
+    assert dropped.finish_reason == "interrupted" and [len(m[0]) for m in eng._marks] == [len(first) - 1,
+                                                                                          dropped.usage["prompt_tokens"] - 1]
+    msgs.append({"role": "user", "content": "Something else."})
+    r2 = eng.generate(msgs, "thinking", params=params, reuse_prefix=True)
+    assert r2.usage["prompt_tokens_details"]["cached_tokens"] == len(first) - 1
+    assert r2.token_ids == Engine(model, tokenizer, max_context=1024).generate(msgs, "thinking", params=params).token_ids
+    for k in range(4):
+        msgs += [eng.generate(msgs, "thinking", params=params, reuse_prefix=True).message(),
+                 {"role": "user", "content": f"Turn {k}."}]
+        assert len(eng._marks) + len(eng._spare) <= Engine.MARKS
+
+
+def test_a_request_drops_the_marks_past_where_it_writes(model, tokenizer):
+    # marks at 30 (A's) and 70 (B's); C goes back to 30 and rewrites the positions from there, so B's mark no longer
+    # holds: a prompt that starts with B's 70 tokens continues from 30, with a fresh engine's tokens
+    eng = Engine(model, tokenizer, max_context=512)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    a = prompt_ids(40, 11)
+    b = a[:30] + prompt_ids(50, 12)
+    c = a[:30] + prompt_ids(60, 13)
+    eng.complete(a, greedy, reuse_prefix=True, keep=30)
+    assert eng.complete(b, greedy, reuse_prefix=True, keep=70).cached_tokens == 30
+    assert [len(m[0]) for m in eng._marks] == [30, 70]
+    assert eng.complete(c, greedy, reuse_prefix=True).cached_tokens == 30
+    assert [len(m[0]) for m in eng._marks] == [30]
+    b2 = b[:70] + prompt_ids(5, 14)
+    got = eng.complete(b2, greedy, reuse_prefix=True)
+    assert got.cached_tokens == 30
+    assert got.token_ids == Engine(model, tokenizer, max_context=512).complete(b2, greedy).token_ids
+
+
 def test_a_chat_turn_whose_reply_renders_otherwise_continues_from_the_whole_last_prompt(model, tokenizer):
     # chat mode marks the state after the whole prompt: a reply sampled as tokens that its text does not encode to
     # ("H", "i" for "Hi") is re-rendered otherwise in the next prompt, which then continues from that mark
