@@ -41,6 +41,7 @@ class Tokenizer:
     def __init__(self, tokenizer_file: str | Path):
         self.path = Path(tokenizer_file)
         self._tok = _HFTokenizer.from_file(str(self.path))
+        self._split_ids: frozenset[int] | None = None
         bos, eos = BOS, EOS
         config_file = self.path.with_name("tokenizer_config.json")
         if config_file.is_file():
@@ -66,6 +67,16 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    @property
+    def split_ids(self) -> frozenset[int]:
+        """Ids of the added tokens (`<｜User｜>`, `<think>`, EOS, ...) that `encode` takes out of the text as they are
+        before it applies BPE (none strips spaces or matches single words only): the text after one encodes apart
+        from the text before it."""
+        if self._split_ids is None:
+            self._split_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items()
+                                        if not (t.lstrip or t.rstrip or t.single_word))
+        return self._split_ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         # Keep special tokens by default: the completion parser needs EOS, </think> and ｜DSML｜.

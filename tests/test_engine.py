@@ -15,7 +15,8 @@ import torch
 from dsv4.config import ModelConfig
 from dsv4.engine import (
     DEFAULT_CONTEXT, NO_OP_EFFORTS, PREFILL_CHUNK, REASONING_EFFORTS, ContextLengthError, Engine, EngineError,
-    StopStrings, _defaults_from, check_devices, default_max_context, inspect_model_dir, parse_devices,
+    StopStrings, _common_prefix, _defaults_from, check_devices, default_max_context, inspect_model_dir, parse_devices,
+    render_conversation,
 )
 from dsv4.model.layers import Numerics
 from dsv4.model.transformer import Transformer
@@ -545,6 +546,71 @@ def test_a_turn_interrupted_after_its_mark_leaves_the_last_turns_mark(model, tok
         msgs += [eng.generate(msgs, "thinking", params=params, reuse_prefix=True).message(),
                  {"role": "user", "content": f"Turn {k}."}]
         assert len(eng._marks) + len(eng._spare) <= Engine.MARKS
+
+
+_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather of a city.",
+                                             "parameters": {"type": "object",
+                                                            "properties": {"city": {"type": "string"}}}}}]
+_CALL = [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_next_turn_prefix_equals_the_tokens_the_next_prompt_shares(tokenizer, release):
+    # Engine.next_turn_prefix tokenizes only the prompt's text past where the next turn's rendering parts from it
+    # (after a special token); it equals the common prefix of the two whole tokenizations for every conversation shape
+    from types import SimpleNamespace
+
+    eng = SimpleNamespace(release=release, tokenizer=tokenizer)
+    shapes = {
+        "user": [{"role": "user", "content": "Hello there, how are you?"}],
+        "system": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+        "history": [{"role": "user", "content": "A"}, {"role": "assistant", "content": "B.", "reasoning_content": "R"},
+                    {"role": "user", "content": "C"}],
+        "tools": [{"role": "system", "content": "Use tools.", "tools": _TOOLS},
+                  {"role": "user", "content": "Weather in Paris?"}],
+        "tool result": [{"role": "system", "content": "", "tools": _TOOLS}, {"role": "user", "content": "Paris?"},
+                        {"role": "assistant", "content": "", "reasoning_content": "Call it.", "tool_calls": _CALL},
+                        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}],
+    }
+    seen = set()
+    for name, msgs in shapes.items():
+        for mode in ("thinking", "chat"):
+            for effort in (None, *REASONING_EFFORTS[release]):
+                if effort is not None and mode == "chat":
+                    continue
+                text = render_conversation(release, msgs, mode, effort)
+                ids = tokenizer.encode(text)
+                nxt = msgs + [{"role": "assistant", "content": "x", "reasoning_content": "y"},
+                              {"role": "user", "content": "z"}]
+                want = _common_prefix(ids, tokenizer.encode(render_conversation(release, nxt, mode, effort)))
+                got = Engine.next_turn_prefix(eng, msgs, mode, effort, ids, text)
+                assert got == want, (name, mode, effort)
+                assert Engine.next_turn_prefix(eng, msgs, mode, effort, ids) == want
+                seen.add(want == len(ids))
+    assert seen == {True, False}  # both kinds met: the next prompt extends this one, and it parts before its end
+
+
+def test_next_turn_prefix_past_the_last_added_token(tokenizer, monkeypatch):
+    # texts that part inside plain text after the last added token (no DeepSeek-V4 rendering does): the tokens from
+    # that token on are compared, and where no added token precedes the point the whole texts are
+    import dsv4.engine as engine_module
+    from types import SimpleNamespace
+
+    eng = SimpleNamespace(release="preview", tokenizer=tokenizer)
+    for text, nxt in (("<｜User｜>Hi<｜Assistant｜>Hello wor", "<｜User｜>Hi<｜Assistant｜>Hello world<｜end▁of▁sentence｜>"),
+                      ("plain text that goes on", "plain text that went on"),
+                      ("<｜User｜>a<｜Assistant｜></think>", "<｜User｜>a<｜Assistant｜></think>b")):
+        monkeypatch.setattr(engine_module, "render_conversation",
+                            lambda release, msgs, mode, effort, text=text, nxt=nxt: nxt if len(msgs) > 1 else text)
+        ids = tokenizer.encode(text)
+        want = _common_prefix(ids, tokenizer.encode(nxt))
+        assert Engine.next_turn_prefix(eng, [{}], "chat", None, ids, text) == want
+    assert 0 < want == len(ids)
+
+
+def test_common_prefix():
+    assert [_common_prefix(a, b) for a, b in [("", ""), ("abc", "abd"), ("abc", "abc"), ("ab", "abc"), ("x", "y"),
+                                              ([1, 2, 3], [1, 2]), ([], [1])]] == [0, 2, 3, 2, 0, 2, 0]
 
 
 def test_a_request_drops_the_marks_past_where_it_writes(model, tokenizer):
