@@ -308,6 +308,7 @@ class Engine:
         # reasoning); at most MARKS, and the buffers of dropped ones kept for the next (`_spare`)
         self._marks: list = []
         self._spare: list = []
+        self._ids_epoch = self.state.epoch  # the state's epoch (ModelState.reset) when state_ids was set
         self.input_device = model.embed.weight.device  # ids enter at the embedding's device
         # On CUDA, decode replays one captured graph per layer (two for a CSA or HCA layer not first on its GPU:
         # dsv4/graphs.py)
@@ -379,6 +380,7 @@ class Engine:
                     TokenSampler(SamplingParams(seed=0, top_p=top_p), head.device, True)(
                         torch.zeros(1, head.shape[0], dtype=torch.float32, device=head.device))
         self.state_ids = []
+        self._ids_epoch = self.state.epoch
         self._drop_marks()
 
     @classmethod
@@ -554,11 +556,11 @@ class Engine:
         return self.complete(prompt_ids, params).token_ids
 
     def reset(self) -> None:
-        """Forget the state's contents and its mark (the next request prefills its whole prompt)."""
+        """Forget the state's contents and its marks (the next request prefills its whole prompt)."""
         self.state_ids = None  # (before the state changes: see complete)
         self._drop_marks()
         self.state.reset()
-        self.state_ids = []
+        self.state_ids, self._ids_epoch = [], self.state.epoch
 
     def _token_logprobs(self, logits: torch.Tensor, token: torch.Tensor, n: int) -> dict:
         lp = torch.log_softmax(logits.float(), dim=-1)[0]
@@ -585,8 +587,8 @@ class Engine:
         temperature and filters) and the N most likely alternatives. reuse_prefix: when the prompt
         starts with the tokens already in the state, prefill only the rest; else, when it starts with the tokens of
         one of the engine's marks (the longest), go back to the state the mark holds and prefill the rest. keep: take
-        a mark after the prompt's first `keep` tokens, where they are not all in the reused prefix (the prefill then
-        stops there and goes on); a later turn whose prompt starts with them but not with the whole state continues
+        a mark after the prompt's first `keep` tokens (1 <= keep <= len(prompt_ids); otherwise none), where they are
+        not all in the reused prefix (the prefill then stops there and goes on); a later turn whose prompt starts with them but not with the whole state continues
         from there instead of prefilling all of its prompt. The engine keeps the newest MARKS marks; a request drops
         those past the position it starts writing at.
         """
@@ -612,16 +614,17 @@ class Engine:
         # dropped: both before the state changes (a Ctrl-C during the rewind or the reset leaves nothing that trusts it)
         self.state_ids = None
         if reuse_prefix and cached and len(cached) < P and prompt_ids[:len(cached)] == cached \
-                and self.state.pos == len(cached):
+                and self.state.pos == len(cached) and self._ids_epoch == self.state.epoch:
             rewind = None  # the prompt extends the state
         elif reuse_prefix and marked is not None:
             rewind, cached = marked[1], marked[0]
         else:
             rewind, cached = "reset", []
         start = len(cached)
-        self._drop_marks(lambda m: rewind == "reset" or m.pos > start)  # positions from start on are rewritten
+        # positions from start on are rewritten; a reset the engine did not make leaves no mark valid
+        self._drop_marks(lambda m: rewind == "reset" or m.pos > start or m.epoch != self.state.epoch)
         # the prefill's pieces: chunks from start, or from start to keep and from keep on (the mark is taken between)
-        cuts = [start, keep, P] if keep is not None and start <= keep <= P else [start, P]
+        cuts = [start, keep, P] if keep is not None and 0 < keep and start <= keep <= P else [start, P]
         pieces = [(s, min(s + PREFILL_CHUNK, b)) for a, b in zip(cuts, cuts[1:]) for s in range(a, b, PREFILL_CHUNK)]
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.input_device)
         out: list[int] = []
@@ -637,7 +640,7 @@ class Engine:
             # Only the last position's logits are needed: the LM head runs once, after the last chunk.
             if self.on_prefill is not None:
                 self.on_prefill(0, P - start)
-            if keep == start:
+            if len(cuts) == 3 and keep == start:
                 self._take_mark(prompt_ids[:keep])
             for s, e in pieces:
                 chunk = ids[:, s:e]
@@ -652,7 +655,7 @@ class Engine:
                     logits = self.model(chunk, self.state, last_only=True)
                 else:
                     self.model.forward_streams(chunk, self.state)
-                if e == keep:
+                if len(cuts) == 3 and e == keep:
                     self._take_mark(prompt_ids[:keep])
                 if self.on_prefill is not None:
                     self.on_prefill(e - start, P - start)
@@ -702,6 +705,7 @@ class Engine:
                 token = sampler(logits[:, -1])
             # the last token was sampled; it was fed only when its step ran ahead
             self.state_ids = list(prompt_ids) + (out if fed_last else out[:-1])
+            self._ids_epoch = self.state.epoch
         except KeyboardInterrupt:
             finish = "interrupted"  # state_ids stays None: a forward may have stopped half-way
         t_end = time.perf_counter()
@@ -730,9 +734,8 @@ class Engine:
 
     def _drop_marks(self, which=lambda mark: True) -> None:
         """Drop the marks `which` (StateMark -> bool) picks; their buffers are kept for the next mark."""
-        keep = [m for m in self._marks if not which(m[1])]
-        self._spare += [m[1] for m in self._marks if which(m[1])]
-        self._marks = keep
+        marks, self._marks = self._marks, [m for m in self._marks if not which(m[1])]  # (off the list first)
+        self._spare += [m[1] for m in marks if which(m[1])]
 
     def _take_mark(self, ids: list[int]) -> None:
         """Mark the state (now after `ids`) for a later request (complete's `keep`), in a dropped mark's buffers (the

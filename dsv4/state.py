@@ -88,7 +88,8 @@ class StateMark:
     overwrite, and the blocks' `lagging` flags. The rest of the state is indexed by position for good (the compressed
     entries and the indexer's keys of the windows closed before `pos`), so the copies restore it whole as long as
     nothing before `pos` is rewritten (a reset, or a prompt that diverges before `pos`, invalidates the mark: `rewind`
-    refuses a mark taken before the state's last reset; the rest is the caller's, e.g. Engine.mark_ids)."""
+    refuses a mark taken before the state's last reset; the rest is the caller's: Engine.complete drops the marks past
+    the position a request starts writing at)."""
 
     def __init__(self, owner: ModelState, pos: int, tensors: list[torch.Tensor], lagging: list[bool], epoch: int):
         self.owner, self.pos, self.tensors, self.lagging, self.epoch = owner, pos, tensors, lagging, epoch

@@ -71,11 +71,14 @@ class Tokenizer:
     @property
     def split_ids(self) -> frozenset[int]:
         """Ids of the added tokens (`<｜User｜>`, `<think>`, EOS, ...) that `encode` takes out of the text as they are
-        before it applies BPE (none strips spaces or matches single words only): the text after one encodes apart
-        from the text before it."""
+        before it applies BPE, so that the text after one encodes apart from the text before it: those that strip no
+        spaces, match more than single words and lie inside no other added token (a longer one could match across
+        the point where the shorter one ends). All of DeepSeek-V4's."""
         if self._split_ids is None:
-            self._split_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items()
-                                        if not (t.lstrip or t.rstrip or t.single_word))
+            added = self._tok.get_added_tokens_decoder()
+            joined = "\0".join(t.content for t in added.values())
+            self._split_ids = frozenset(i for i, t in added.items() if not (t.lstrip or t.rstrip or t.single_word)
+                                        and joined.count(t.content) == 1)
         return self._split_ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:

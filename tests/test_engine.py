@@ -571,6 +571,7 @@ def test_next_turn_prefix_equals_the_tokens_the_next_prompt_shares(tokenizer, re
         "tool result": [{"role": "system", "content": "", "tools": _TOOLS}, {"role": "user", "content": "Paris?"},
                         {"role": "assistant", "content": "", "reasoning_content": "Call it.", "tool_calls": _CALL},
                         {"role": "tool", "tool_call_id": "c1", "content": "sunny"}],
+        "markers in the text": [{"role": "user", "content": "see <think>, </think>, <｜User｜> and ｜DSML｜: 日本語 😀"}],
     }
     seen = set()
     for name, msgs in shapes.items():
@@ -606,6 +607,26 @@ def test_next_turn_prefix_past_the_last_added_token(tokenizer, monkeypatch):
         want = _common_prefix(ids, tokenizer.encode(nxt))
         assert Engine.next_turn_prefix(eng, [{}], "chat", None, ids, text) == want
     assert 0 < want == len(ids)
+
+
+def test_split_ids_leave_out_added_tokens_inside_others(tokenizer, monkeypatch):
+    # an added token inside a longer one ("</think>" in "</think>x") may not end where the text splits: the longer one
+    # can match across that point in the next text; without it next_turn_prefix would say 4 where the tokens share 3
+    import dsv4.engine as engine_module
+    from types import SimpleNamespace
+
+    assert len(tokenizer.split_ids) == 1283  # all of DeepSeek-V4's added tokens
+    tok = load_tokenizer()
+    tok._tok.add_tokens(["</think>x"])
+    assert tok.token_id("</think>") not in tok.split_ids and tok.token_id("</think>x") in tok.split_ids
+    text = "<｜User｜>a<｜Assistant｜></think>"
+    nxt = text + "x<｜end▁of▁sentence｜><｜User｜>z"
+    monkeypatch.setattr(engine_module, "render_conversation",
+                        lambda release, msgs, mode, effort: nxt if len(msgs) > 1 else text)
+    ids = tok.encode(text)
+    want = _common_prefix(ids, tok.encode(nxt))
+    assert want == 3 and Engine.next_turn_prefix(SimpleNamespace(release="preview", tokenizer=tok), [{}], "chat",
+                                                  None, ids, text) == want
 
 
 def test_common_prefix():
@@ -690,7 +711,7 @@ def test_an_interrupted_request_keeps_the_mark(model, tokenizer):
     assert done.finish_reason == "interrupted" and eng.state_ids is None and eng.mark_ids == first[:37]
     second = first[:37] + prompt_ids(9, 6)
 
-    def broken(*_args):  # Ctrl-C inside the rewind (or the reset): nothing trusts the state afterwards
+    def broken(*_args, **_kwargs):  # Ctrl-C inside the rewind (or the reset, or a mark): nothing trusts the state then
         raise KeyboardInterrupt
 
     eng.state.rewind = broken
@@ -705,6 +726,33 @@ def test_an_interrupted_request_keeps_the_mark(model, tokenizer):
     done = eng.complete(prompt_ids(9, 7), greedy, reuse_prefix=True)
     assert done.finish_reason == "interrupted" and eng.state_ids is None and eng.mark_ids is None
     del eng.state.reset
+    # Ctrl-C inside the copies of a mark, two marks held: that mark's buffers are lost, the others hold
+    eng.complete(first, greedy, reuse_prefix=True, keep=37)
+    eng.complete(second, greedy, reuse_prefix=True, keep=40)
+    assert [len(m[0]) for m in eng._marks] == [37, 40]
+    eng.state.mark = broken
+    third = second[:40] + prompt_ids(6, 8)
+    done = eng.complete(third, greedy, reuse_prefix=True, keep=44)
+    assert done.finish_reason == "interrupted" and [len(m[0]) for m in eng._marks] == [40]
+    del eng.state.mark
+    assert len(eng._marks) + len(eng._spare) <= Engine.MARKS
+    again = eng.complete(third, greedy, reuse_prefix=True)
+    assert again.cached_tokens == 40
+    assert again.token_ids == Engine(model, tokenizer, max_context=512).complete(third, greedy, keep=40).token_ids
+
+
+def test_a_state_reset_behind_the_engine_is_not_extended(model, tokenizer):
+    # state_ids holds for the state's epoch only: after a reset the engine did not make (even with the position put
+    # back) a prompt that extends state_ids is prefilled whole
+    eng = Engine(model, tokenizer, max_context=512)
+    first = prompt_ids(30, 15)
+    out = eng.complete(first, GREEDY, reuse_prefix=True)
+    second = eng.state_ids + prompt_ids(5, 16)
+    eng.state.reset()
+    eng.state.pos = len(eng.state_ids)
+    done = eng.complete(second, GREEDY, reuse_prefix=True)
+    assert out.token_ids and done.cached_tokens == 0
+    assert done.token_ids == Engine(model, tokenizer, max_context=512).complete(second, GREEDY).token_ids
 
 
 def test_multi_turn_reuses_the_prefix(model, tokenizer):
