@@ -869,9 +869,7 @@ def test_cuda_graphs_continue_from_a_mark(tokenizer):
     # a prompt marked before its last token (which then runs as a decode step of the graphs), decoded past the mark
     # by graph steps that defer their compressors, then a prompt that leaves it there: the graphs continue from the
     # mark with the tokens of an eager engine that never went past it (the same chunks)
-    raw = tiny_config([4, 0, 16], n_mtp=0, vocab=VOCAB, max_pos=1024)
-    model = random_model(raw, Numerics("exact", torch.float32), seed=1).place(["cuda:0"])
-    graphs = Engine(model, tokenizer, max_context=512, graphs=True)
+    graphs, eager = _graph_and_eager_engines(tokenizer, 1, 512)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=40)
     first = prompt_ids(150, 3)
     mark = len(first) - 1
@@ -880,7 +878,6 @@ def test_cuda_graphs_continue_from_a_mark(tokenizer):
     second = first[:-1] + prompt_ids(30, 4)
     b = graphs.complete(second, greedy, reuse_prefix=True, logprobs=2)
     assert b.cached_tokens == mark
-    eager = Engine(model, tokenizer, max_context=512, graphs=False)
     # the marked prompt's last token (a decode step of the graphs) and the continuation from the mark
     for got, prompt in ((a, first), (b, second)):
         want = eager.complete(prompt, greedy, logprobs=2, keep=mark)
