@@ -219,6 +219,25 @@ def encode_conversation(tokenizer, release: str, messages: list[dict], thinking_
     return tokenizer.encode(render_conversation(release, messages, thinking_mode, reasoning_effort))
 
 
+def reencode(tokenizer, text: str, ids: list[int], new_text: str, window: int = 64) -> list[int] | None:
+    """tokenizer.encode(new_text), given ids = tokenizer.encode(text), without encoding what the texts share: `ids` up
+    to an added token (`tokenizer.split_ids`: taken out of the text before BPE, so the text before it encodes alike in
+    both) at or before the point where the texts part, then the rest of new_text encoded. None where no such token
+    lies in the last `window` tokens of ids (encode new_text whole then)."""
+    split = getattr(tokenizer, "split_ids", None)
+    if not split:
+        return None
+    c = _common_prefix(text, new_text)
+    for k in range(len(ids), max(0, len(ids) - window), -1):
+        if ids[k - 1] not in split:
+            continue
+        tail = tokenizer.decode(ids[k:])
+        b = len(text) - len(tail)  # (ids[k:] starts after an added token: at a character)
+        if b <= c and text[b:] == tail and tokenizer.encode(tail) == ids[k:]:
+            return ids[:k] + tokenizer.encode(new_text[b:])
+    return None
+
+
 def _common_prefix(a, b) -> int:
     """The length of the longest common prefix of two strings or lists (slices compared in C, halving the range)."""
     lo, hi = 0, min(len(a), len(b))
@@ -309,6 +328,7 @@ class Engine:
         self._marks: list = []
         self._spare: list = []
         self._ids_epoch = self.state.epoch  # the state's epoch (ModelState.reset) when state_ids was set
+        self._last_prompt: tuple[str, list[int]] | None = None  # generate's last (prompt text, its ids)
         self.input_device = model.embed.weight.device  # ids enter at the embedding's device
         # On CUDA, decode replays one captured graph per layer (two for a CSA or HCA layer not first on its GPU:
         # dsv4/graphs.py)
@@ -457,7 +477,12 @@ class Engine:
         leaves this one (`next_turn_prefix`).
         """
         text = render_conversation(self.release, messages, thinking_mode, reasoning_effort)
-        prompt_ids = self.tokenizer.encode(text)
+        # a chat's prompt extends the last one's rendering, less its end: only the new part is tokenized (reencode)
+        last = self._last_prompt
+        prompt_ids = reencode(self.tokenizer, *last, text) if last is not None else None
+        if prompt_ids is None:
+            prompt_ids = self.tokenizer.encode(text)
+        self._last_prompt = (text, prompt_ids)
         parser = _make_parser(thinking_mode, declared_tools(messages))
         keep = self.next_turn_prefix(messages, thinking_mode, reasoning_effort, prompt_ids, text) if reuse_prefix \
             else None
@@ -473,10 +498,8 @@ class Engine:
         reasoning: the prompt's last token, `<think>`, is not in the next turn's). Found by rendering the conversation
         with a placeholder reply and user message; None where the encoder does not take that conversation.
 
-        Only the prompt's last tokens are looked at where they start after an added token (`<｜Assistant｜>`, ...) at or
-        before the point where the two texts part: the tokenizer takes added tokens out before BPE, so the text before
-        encodes alike in both, and the texts after it are short. Otherwise the whole next prompt is tokenized (~30 ms
-        per 20K tokens)."""
+        The next prompt is tokenized from the prompt's last added token before the point where they part (`reencode`:
+        ~1 ms), or whole where there is none (~30 ms per 20K tokens)."""
         nxt = messages + [{"role": "assistant", "content": "x", "reasoning_content": "y"},
                           {"role": "user", "content": "z"}]
         try:
@@ -485,16 +508,8 @@ class Engine:
             return None
         if text is None:
             text = render_conversation(self.release, messages, thinking_mode, reasoning_effort)
-        c = _common_prefix(text, nxt_text)
-        split = getattr(self.tokenizer, "split_ids", None) or frozenset()
-        for k in range(len(prompt_ids), max(0, len(prompt_ids) - 64), -1):
-            if prompt_ids[k - 1] not in split:
-                continue
-            tail = self.tokenizer.decode(prompt_ids[k:])
-            b = len(text) - len(tail)  # (prompt_ids[k:] starts after an added token: at a character)
-            if b <= c and text[b:] == tail and self.tokenizer.encode(tail) == prompt_ids[k:]:
-                return k + _common_prefix(prompt_ids[k:], self.tokenizer.encode(nxt_text[b:]))
-        return _common_prefix(prompt_ids, self.tokenizer.encode(nxt_text))
+        nxt_ids = reencode(self.tokenizer, text, prompt_ids, nxt_text)
+        return _common_prefix(prompt_ids, nxt_ids if nxt_ids is not None else self.tokenizer.encode(nxt_text))
 
     def generate_raw(self, prompt: str, params: SamplingParams | None = None,
                      on_delta: Callable[[StreamDelta], None] | None = None, *,

@@ -16,7 +16,7 @@ from dsv4.config import ModelConfig
 from dsv4.engine import (
     DEFAULT_CONTEXT, NO_OP_EFFORTS, PREFILL_CHUNK, REASONING_EFFORTS, ContextLengthError, Engine, EngineError,
     StopStrings, _common_prefix, _defaults_from, check_devices, default_max_context, inspect_model_dir, parse_devices,
-    render_conversation,
+    reencode, render_conversation,
 )
 from dsv4.model.layers import Numerics
 from dsv4.model.transformer import Transformer
@@ -586,6 +586,8 @@ def test_next_turn_prefix_equals_the_tokens_the_next_prompt_shares(tokenizer, re
                 want = _common_prefix(ids, tokenizer.encode(render_conversation(release, nxt, mode, effort)))
                 got = Engine.next_turn_prefix(eng, msgs, mode, effort, ids, text)
                 assert got == want, (name, mode, effort)
+                nxt_text = render_conversation(release, nxt, mode, effort)
+                assert reencode(tokenizer, text, ids, nxt_text) == tokenizer.encode(nxt_text)
                 assert Engine.next_turn_prefix(eng, msgs, mode, effort, ids) == want
                 seen.add(want == len(ids))
     assert seen == {True, False}  # both kinds met: the next prompt extends this one, and it parts before its end
@@ -627,6 +629,48 @@ def test_split_ids_leave_out_added_tokens_inside_others(tokenizer, monkeypatch):
     want = _common_prefix(ids, tok.encode(nxt))
     assert want == 3 and Engine.next_turn_prefix(SimpleNamespace(release="preview", tokenizer=tok), [{}], "chat",
                                                   None, ids, text) == want
+
+
+def test_reencode_equals_a_whole_encoding(tokenizer):
+    # random text pairs that share a prefix, made of plain text (ASCII, CJK, emoji, newlines), added tokens and broken
+    # pieces of them: where reencode answers it is the whole encoding, and it answers for most pairs
+    import random
+
+    rng = random.Random(0)
+    added = sorted(t.content for t in tokenizer._tok.get_added_tokens_decoder().values())
+    markers = ["<｜User｜>", "<｜Assistant｜>", "<think>", "</think>", "<｜end▁of▁sentence｜>", "｜DSML｜"]
+    plain = ["Hello", " world", ", and", " 日本語", "😀", "\n\n", " ", "x", "123", "<", "｜", "think>", "<｜Ass", "é"]
+
+    def pieces(n):
+        return "".join(rng.choice(markers) if r < 0.3 else rng.choice(added) if r < 0.4 else rng.choice(plain)
+                       for r in (rng.random() for _ in range(n)))
+
+    answered = 0
+    for _ in range(1500):
+        prefix = pieces(rng.randint(0, 30))
+        text, new = prefix + pieces(rng.randint(0, 6)), prefix + pieces(rng.randint(0, 12))
+        ids = tokenizer.encode(text)
+        got = reencode(tokenizer, text, ids, new)
+        if got is not None:
+            answered += 1
+            assert got == tokenizer.encode(new), (text, new)
+    assert answered > 1000
+
+
+def test_chat_prompts_are_tokenized_from_the_last_ones(model, tokenizer, monkeypatch):
+    # generate() keeps its last prompt's text and ids and tokenizes only what a chat's next prompt adds
+    eng = Engine(model, tokenizer, max_context=512)
+    params = SamplingParams(temperature=0, max_new_tokens=4)
+    msgs = [{"role": "system", "content": "Be brief. " * 40}, {"role": "user", "content": "Hello"}]
+    eng.generate(msgs, "thinking", params=params, reuse_prefix=True)
+    lengths = []
+    encode = tokenizer.encode
+    monkeypatch.setattr(tokenizer, "encode", lambda text: lengths.append(len(text)) or encode(text))
+    msgs += [{"role": "assistant", "content": "Hi.", "reasoning_content": "R"}, {"role": "user", "content": "More"}]
+    r = eng.generate(msgs, "thinking", params=params, reuse_prefix=True)
+    full = render_conversation(eng.release, msgs, "thinking")
+    assert r.usage["prompt_tokens"] == len(encode(full)) and eng._last_prompt == (full, encode(full))
+    assert lengths and max(lengths) < len(full) // 4  # (short tails only)
 
 
 def test_common_prefix():
