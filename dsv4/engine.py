@@ -331,8 +331,8 @@ class Engine:
         self._last_prompt: tuple[str, list[int]] | None = None  # generate's last (prompt text, its ids)
         self.input_device = model.embed.weight.device  # ids enter at the embedding's device
         # On CUDA, decode replays one captured graph per layer (two for a CSA or HCA layer not first on its GPU:
-        # dsv4/graphs.py)
-        # over the same state the chunked prefill fills; on CPU (or with graphs=False) the model's forward runs the same one-token step eagerly.
+        # dsv4/graphs.py) over the same state the chunked prefill fills; on CPU (or with graphs=False) the model's
+        # forward runs the same one-token step eagerly.
         from dsv4 import ops
 
         self.kernels = ops.active()  # op -> backend bound now (from_pretrained binds them first)
@@ -603,9 +603,9 @@ class Engine:
         starts with the tokens already in the state, prefill only the rest; else, when it starts with the tokens of
         one of the engine's marks (the longest), go back to the state the mark holds and prefill the rest. keep: take
         a mark after the prompt's first `keep` tokens (1 <= keep <= len(prompt_ids); otherwise none), where they are
-        not all in the reused prefix (the prefill then stops there and goes on); a later turn whose prompt starts with them but not with the whole state continues
-        from there instead of prefilling all of its prompt. The engine keeps the newest MARKS marks; a request drops
-        those past the position it starts writing at.
+        not all in the reused prefix (the prefill then stops there and goes on); a later turn whose prompt starts with
+        them but not with the whole state continues from there instead of prefilling all of its prompt. The engine
+        keeps the newest MARKS marks; a request drops those past the position it starts writing at.
         """
         params = params or self.defaults
         P = len(prompt_ids)

@@ -369,8 +369,9 @@ def test_prefill_graphs_generate_what_eager_prefill_generates(tokenizer):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_requests_compile_no_kernel_after_load(tokenizer):
     # the warm-up at load (Engine._warm_up: chunk lengths at position 0, a full chunk and a tail at each power of two,
-    # one draw of the race sampler) and the unspecialized eager variants of the indexer's kernels (triton_util.JitTwins) leave nothing to compile:
-    # prompts of any length, ending anywhere in the context, start at once
+    # one draw of the race sampler) and the unspecialized eager variants of the indexer's kernels
+    # (triton_util.JitTwins) leave nothing to compile: prompts of any length, ending anywhere in the context, start at
+    # once
     from dsv4 import ops
     from dsv4.testing import triton_kernels_compiled
 
@@ -536,12 +537,13 @@ def test_a_turn_interrupted_after_its_mark_leaves_the_last_turns_mark(model, tok
 
     dropped = eng.generate(msgs + [{"role": "user", "content": "Tell me a long story."}], "thinking",
                            params=params, reuse_prefix=True, on_delta=interrupt)
-    assert dropped.finish_reason == "interrupted" and [len(m[0]) for m in eng._marks] == [len(first) - 1,
-                                                                                          dropped.usage["prompt_tokens"] - 1]
+    assert dropped.finish_reason == "interrupted"
+    assert [len(m[0]) for m in eng._marks] == [len(first) - 1, dropped.usage["prompt_tokens"] - 1]
     msgs.append({"role": "user", "content": "Something else."})
     r2 = eng.generate(msgs, "thinking", params=params, reuse_prefix=True)
     assert r2.usage["prompt_tokens_details"]["cached_tokens"] == len(first) - 1
-    assert r2.token_ids == Engine(model, tokenizer, max_context=1024).generate(msgs, "thinking", params=params).token_ids
+    fresh = Engine(model, tokenizer, max_context=1024)
+    assert r2.token_ids == fresh.generate(msgs, "thinking", params=params).token_ids
     for k in range(4):
         msgs += [eng.generate(msgs, "thinking", params=params, reuse_prefix=True).message(),
                  {"role": "user", "content": f"Turn {k}."}]
