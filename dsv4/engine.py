@@ -337,7 +337,7 @@ class Engine:
 
         self.kernels = ops.active()  # op -> backend bound now (from_pretrained binds them first)
         # a temperature (with or without top-p) is drawn by ops.sample_race where it runs fast (TokenSampler)
-        self.fast_race = self.kernels.get("sample_race") == "fast"
+        self.fast_race = self.USE_RACE and self.kernels.get("sample_race") == "fast"
         model.prepare()
         self.runner = self.prefill = None
         if graphs and self.input_device.type == "cuda":
@@ -351,6 +351,11 @@ class Engine:
             # so the reference backend prefills eagerly)
             if prefill_graphs and max_context > 2 * PREFILL_CHUNK and prefill_graphs_apply():
                 self.prefill = PrefillRunner(model, self.state, PREFILL_CHUNK)
+
+    # draws through ops.sample_race where its fast backend is bound: off, as its first GPU run (65th pass) failed 10
+    # of tests/ops/test_sample.py's 22 GPU cases (the nucleus' among them) and its top-p draw took 187 us; torch's
+    # sampler until they pass (the GPU tests of the engine's race path set it)
+    USE_RACE = False
 
     # called with (prompt tokens done, prompt tokens to prefill) before the prefill and after each chunk (the CLI's
     # progress line)
