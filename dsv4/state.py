@@ -95,6 +95,14 @@ class StateMark:
         self.owner, self.pos, self.tensors, self.lagging, self.epoch = owner, pos, tensors, lagging, epoch
 
 
+def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """dst[i].copy_(src[i]) for all i as multi-tensor copies (torch._foreach_copy_): a few launches for the ~200 of a
+    43-layer state, against one each (2.8 ms for a Flash mark on an H200, sixty-sixth pass)."""
+    if len(dst) != len(src):
+        raise ValueError(f"{len(dst)} tensors to copy into, {len(src)} to copy from")
+    torch._foreach_copy_(dst, src)
+
+
 class ModelState:
     """All state of `batch` sequences that advance together, for up to `max_len` positions."""
 
@@ -144,8 +152,7 @@ class ModelState:
         earlier mark of this state whose buffers are reused (nothing is allocated then; the old mark is gone)."""
         src = self._overwritten()
         bufs = into.tensors if into is not None and into.owner is self else [torch.empty_like(t) for t in src]
-        for d, t in zip(bufs, src, strict=True):
-            d.copy_(t)
+        _copy_all(bufs, src)
         return StateMark(self, self.pos, bufs, [b.lagging for b in self.blocks + self.mtp], self.epoch)
 
     def rewind(self, mark: StateMark) -> None:
@@ -154,8 +161,7 @@ class ModelState:
             raise ValueError("the mark was taken of another state")
         if mark.epoch != self.epoch:
             raise ValueError("the mark was taken before the state's last reset")
-        for d, t in zip(self._overwritten(), mark.tensors, strict=True):
-            d.copy_(t)
+        _copy_all(self._overwritten(), mark.tensors)
         for b, lag in zip(self.blocks + self.mtp, mark.lagging, strict=True):
             b.lagging = lag
         self.pos = mark.pos

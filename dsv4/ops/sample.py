@@ -53,7 +53,9 @@ def _mulhilo(a: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def philox4x32(c0, c1, c2, c3, k0: int, k1: int, rounds: int = 10) -> tuple[torch.Tensor, ...]:
     """Philox4x32 over int64 tensors holding uint32 words (broadcast together) -> the four output words."""
-    c0, c1, c2, c3 = torch.broadcast_tensors(*(torch.as_tensor(c, dtype=torch.int64) for c in (c0, c1, c2, c3)))
+    dev = next((c.device for c in (c0, c1, c2, c3) if isinstance(c, torch.Tensor)), None)  # (Python ints join it)
+    c0, c1, c2, c3 = torch.broadcast_tensors(*(torch.as_tensor(c, dtype=torch.int64, device=dev)
+                                               for c in (c0, c1, c2, c3)))
     for r in range(rounds):
         if r:
             k0, k1 = (k0 + PHILOX_W[0]) & _MASK32, (k1 + PHILOX_W[1]) & _MASK32
