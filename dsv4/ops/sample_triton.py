@@ -17,6 +17,9 @@ with bit 32 set so that Triton types them as int64 whatever their value (one com
 from __future__ import annotations
 
 import contextlib
+import math
+import struct
+from fractions import Fraction
 
 import torch
 import triton
@@ -26,6 +29,7 @@ from dsv4.ops.sample import ATANH_COEFFS, PHILOX_M, PHILOX_W, check_race_args, r
 from dsv4.ops.triton_util import arrival_counters
 
 BLOCK = 1024  # 127 programs at Flash's vocabulary
+NUCLEUS_CH, NUCLEUS_WARPS = 16, 4  # the nucleus passes' rows a step ([CH, 256] bins in registers) and warps
 _M0, _M1 = tl.constexpr(PHILOX_M[0]), tl.constexpr(PHILOX_M[1])
 _W0, _W1 = tl.constexpr(PHILOX_W[0]), tl.constexpr(PHILOX_W[1])
 _A = [tl.constexpr(c) for c in ATANH_COEFFS]
@@ -109,21 +113,29 @@ def _race_kernel(l_ptr, sl, o_ptr, pk_ptr, pi_ptr, c_ptr, st_ptr, V, NB, tempera
         tl.atomic_xchg(c_ptr + b, 0)
 
 
-@triton.jit
-def _nucleus_kernel(l_ptr, sl, st_ptr, h_ptr, c_ptr, V, NB, temperature, top_p,
+MASS_BITS = 45  # the nucleus' masses as integers of 2^-45: exact (order-free) sums of the blocks' fp32 partials
+_MASS_SCALE = tl.constexpr(float(2**MASS_BITS))
+
+
+@triton.jit(do_not_specialize=["top_q"])
+def _nucleus_kernel(l_ptr, sl, st_ptr, pk_ptr, h_ptr, c_ptr, V, NB, temperature, top_q,
                     PASS: tl.constexpr, BLOCK: tl.constexpr, NBP: tl.constexpr, CH: tl.constexpr):
     """The nucleus' smallest logit (sample.nucleus_key_ref) in five launches over the row, PASS 0..4, each finished
-    by its last program to arrive: PASS 0 the row's maximum M and normaliser Z; PASS 1-4 a radix select of the order
-    keys, 8 bits a pass from the top: each program adds its block's probabilities (and counts) into 256 bins of the
-    keys that share the prefix so far, and the last program takes the lowest non-empty bin whose mass above is still
-    below top_p (the bin holding the smallest kept logit), adds the mass above it and appends it to the prefix.
-    Fixed summation orders: the same row gives the same key. st [B, 4] (fp32 bits): M, Z, the mass above the prefix,
-    the prefix (after PASS 4 the smallest kept logit's key; 0, keep everything, where M is not finite)."""
+    by its last program to arrive. PASS 0: the row's maximum M and normaliser Z (the blocks' partials in pk, combined
+    in block order). PASS 1-4: a radix select of the order keys, 8 bits a pass from the top: each program sums its
+    block's probabilities (and counts) per 256 bins of the keys that share the prefix so far, in [CH, 256] registers
+    reduced once, and adds the non-empty bins to the row's histogram as integers of 2^-MASS_BITS (integer atomics:
+    the same sums in any arrival order); the last program takes the lowest non-empty bin whose mass above is still
+    below top_p (top_q: top_p in those units, rounded up: `over < top_p` exactly), the bin holding the smallest kept
+    logit, adds the mass above it, appends it to the prefix and zeroes the histogram for the next pass.
+    st [B, 4] fp32 (bits): M, Z, -, the prefix (after PASS 4 the smallest kept logit's key; 0, keep everything, where
+    M is not finite). h [B, 520] int64: the bins' masses, their counts, the mass above the prefix."""
     b = tl.program_id(0)
     j = tl.program_id(1)
+    top_q = top_q & 70368744177663  # (bit 46 set by the caller: typed int64 whatever its value)
     row = l_ptr + b.to(tl.int64) * sl
     st = st_ptr + b * 4
-    hb = h_ptr + (b * NB + j) * 512
+    hq = h_ptr + b * 520
     bins = tl.arange(0, 256)
     if PASS == 0:
         offs = j * BLOCK + tl.arange(0, BLOCK)
@@ -131,8 +143,8 @@ def _nucleus_kernel(l_ptr, sl, st_ptr, h_ptr, c_ptr, V, NB, temperature, top_p,
         m = tl.max(tl.where(x == x, x, float("inf")), axis=0)  # a NaN counts as +inf: its row keeps everything
         m0 = tl.where((m > float("-inf")) & (m < float("inf")), m, 0.0)  # (no inf - inf: such rows keep all)
         z = tl.sum(tl.where(x > float("-inf"), tl.exp((x - m0) / temperature), 0.0), axis=0)
-        tl.store(hb, m)
-        tl.store(hb + 1, z)
+        tl.store(pk_ptr + (b * NB + j) * 2, m)
+        tl.store(pk_ptr + (b * NB + j) * 2 + 1, z)
     else:
         big = tl.load(st)
         big = tl.where((big > float("-inf")) & (big < float("inf")), big, 0.0)  # (rows that keep all)
@@ -140,61 +152,65 @@ def _nucleus_kernel(l_ptr, sl, st_ptr, h_ptr, c_ptr, V, NB, temperature, top_p,
         norm = tl.where(norm > 0.0, norm, 1.0)
         prefix = tl.load(st + 3).to(tl.uint32, bitcast=True)
         SHIFT: tl.constexpr = 32 - 8 * PASS
-        hm = tl.zeros([256], tl.float32)
-        hc = tl.zeros([256], tl.float32)
-        for c in range(0, BLOCK, CH):
-            offs = j * BLOCK + c + tl.arange(0, CH)
-            x = tl.load(row + offs, mask=offs < V, other=float("-inf"))
-            key = _order_key(x)
-            sel = (offs < V) & (x > float("-inf"))
-            if PASS > 1:
-                sel = sel & ((key >> (SHIFT + 8)) == prefix)
-            if tl.max(sel.to(tl.int32), axis=0) > 0:  # (past pass 1 few ids share the prefix: most chunks skip)
+        n_sel = tl.zeros([CH], tl.int32)
+        if PASS > 1:  # few blocks hold an id with the prefix: the others skip the bins
+            for c in range(0, BLOCK, CH):
+                offs = j * BLOCK + c + tl.arange(0, CH)
+                x = tl.load(row + offs, mask=offs < V, other=float("-inf"))
+                n_sel += ((x > float("-inf")) & ((_order_key(x) >> (SHIFT + 8)) == prefix)).to(tl.int32)
+        if PASS == 1 or tl.sum(n_sel, axis=0) > 0:
+            am = tl.zeros([CH, 256], tl.float32)
+            ac = tl.zeros([CH, 256], tl.int32)
+            for c in range(0, BLOCK, CH):
+                offs = j * BLOCK + c + tl.arange(0, CH)
+                x = tl.load(row + offs, mask=offs < V, other=float("-inf"))
+                key = _order_key(x)
+                sel = x > float("-inf")  # (past V: -inf)
+                if PASS > 1:
+                    sel = sel & ((key >> (SHIFT + 8)) == prefix)
                 p = tl.where(sel, tl.exp((x - big) / temperature) / norm, 0.0)
                 hit = (((key >> SHIFT) & 255).to(tl.int32)[:, None] == bins[None, :]) & sel[:, None]
-                hm += tl.sum(tl.where(hit, p[:, None], 0.0), axis=0)
-                hc += tl.sum(hit.to(tl.float32), axis=0)
-        tl.store(hb + bins, hm)
-        tl.store(hb + 256 + bins, hc)
+                am += tl.where(hit, p[:, None], 0.0)
+                ac += hit.to(tl.int32)
+            hm = tl.sum(am, axis=0)
+            hc = tl.sum(ac, axis=0)
+            tl.atomic_add(hq + bins, (hm * _MASS_SCALE).to(tl.int64), mask=hc > 0, sem="relaxed")
+            tl.atomic_add(hq + 256 + bins, hc.to(tl.int64), mask=hc > 0, sem="relaxed")
     tl.debug_barrier()  # the partials are stored before the (release) arrival
     arrived = tl.atomic_add(c_ptr + b, 1, sem="acq_rel")
     if arrived == NB - 1:
-        h0 = h_ptr + b * NB * 512
         if PASS == 0:
             nb = tl.arange(0, NBP)
-            ms = tl.load(h0 + nb * 512, mask=nb < NB, other=float("-inf"), cache_modifier=".cg")
-            zs = tl.load(h0 + nb * 512 + 1, mask=nb < NB, other=0.0, cache_modifier=".cg")
+            ms = tl.load(pk_ptr + (b * NB + nb) * 2, mask=nb < NB, other=float("-inf"), cache_modifier=".cg")
+            zs = tl.load(pk_ptr + (b * NB + nb) * 2 + 1, mask=nb < NB, other=0.0, cache_modifier=".cg")
             big = tl.max(ms, axis=0)
             b0 = tl.where((big > float("-inf")) & (big < float("inf")), big, 0.0)
             norm = tl.sum(tl.where(ms > float("-inf"), zs * tl.exp((ms - b0) / temperature), 0.0), axis=0)
             tl.store(st, big)
             tl.store(st + 1, norm)
-            tl.store(st + 2, 0.0)
             tl.store(st + 3, 0.0)  # (the bits of key 0)
+            tl.store(hq + 512, tl.zeros([], tl.int64))
         else:
-            acc_m = tl.zeros([256], tl.float32)
-            acc_c = tl.zeros([256], tl.float32)
-            rows = tl.arange(0, 16)
-            for r0 in range(0, NB, 16):  # the blocks' bins in block order, 16 blocks a load
-                mk = (r0 + rows < NB)[:, None]
-                at = h0 + (r0 + rows)[:, None] * 512 + bins[None, :]
-                acc_m += tl.sum(tl.load(at, mask=mk, other=0.0, cache_modifier=".cg"), axis=0)
-                acc_c += tl.sum(tl.load(at + 256, mask=mk, other=0.0, cache_modifier=".cg"), axis=0)
-            above = tl.load(st + 2)
+            hm = tl.load(hq + bins, cache_modifier=".cg")
+            hc = tl.load(hq + 256 + bins, cache_modifier=".cg")
+            above = tl.load(hq + 512)
             prefix = tl.load(st + 3).to(tl.uint32, bitcast=True)
             # mass strictly above each bin: the mass above the prefix plus that of the higher bins (a suffix sum less
             # the bin: the highest non-empty bin gets `above` exactly)
-            over = above + (tl.cumsum(acc_m, axis=0, reverse=True) - acc_m)
-            take = tl.min(tl.where((acc_c > 0) & (over < top_p), bins, 256), axis=0)
-            # none below top_p (a top_p under fp32's smallest number, or rounding at the boundary): the highest
-            # non-empty bin, which holds the row's largest logit, whose mass above is `above` exactly
-            top = tl.max(tl.where(acc_c > 0, bins, -1), axis=0)
-            new_above = tl.where(take < 256, tl.sum(tl.where(bins == take, over, 0.0), axis=0), above)
+            over = above + (tl.cumsum(hm, axis=0, reverse=True) - hm)
+            take = tl.min(tl.where((hc > 0) & (over < top_q), bins, 256), axis=0)
+            # none below top_p (a top_p under 2^-45, or rounding at the boundary): the highest non-empty bin, which
+            # holds the row's largest logit, whose mass above is `above` exactly
+            top = tl.max(tl.where(hc > 0, bins, -1), axis=0)
+            new_above = tl.where(take < 256, tl.sum(tl.where(bins == take, over, 0), axis=0), above)
             take = tl.where(take < 256, take, top)
             finite = (tl.load(st) < float("inf")) & (tl.load(st) > float("-inf")) & (take >= 0)
             new_prefix = (prefix << 8) | take.to(tl.uint32)
-            tl.store(st + 2, tl.where(finite, new_above, 0.0))
+            tl.store(hq + 512, tl.where(finite, new_above, 0))
             tl.store(st + 3, tl.where(finite, new_prefix, 0).to(tl.int32, bitcast=True).to(tl.float32, bitcast=True))
+            zero = tl.zeros([256], tl.int64)
+            tl.store(hq + bins, zero)  # the histogram zero again for the next pass (and the next draw)
+            tl.store(hq + 256 + bins, zero)
         tl.atomic_xchg(c_ptr + b, 0)
 
 
@@ -204,7 +220,7 @@ _WORK: dict = {}  # (device, B, NB, nucleus, stream role) -> the partials (and t
 def _work(device: torch.device, B: int, NB: int, nucleus: bool = False) -> tuple[torch.Tensor, ...]:
     """The launch's partials, one set per stream role (as arrival_counters: a launch on the side stream may overlap
     one on the main stream); made outside graph capture, or for that launch alone inside one. With `nucleus`, the
-    nucleus' row state [B, 4] and bins [B, NB, 512] too."""
+    nucleus' row state [B, 4] and its histogram [B, 520] (zeros: each pass leaves it so) too."""
     from dsv4.ops import stream_role
 
     key = (device, B, NB, nucleus, stream_role(device))
@@ -214,7 +230,7 @@ def _work(device: torch.device, B: int, NB: int, nucleus: bool = False) -> tuple
                 torch.empty(B, NB, dtype=torch.int32, device=device))
         if nucleus:
             work += (torch.empty(B, 4, dtype=torch.float32, device=device),
-                     torch.empty(B, NB, 512, dtype=torch.float32, device=device))
+                     torch.zeros(B, 520, dtype=torch.int64, device=device))
         if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             _WORK[key] = work
     return work
@@ -241,9 +257,11 @@ def sample_race(logits: torch.Tensor, temperature: float, seed: int, call: int, 
         if nucleus:
             t_low = max(race_temperature(temperature), 2.0**-126)  # the softmax's: a normal fp32 number
             counters = arrival_counters(dev, f"sample nucleus x{bp}", bp)
+            top_q = (1 << 46) | math.ceil(Fraction(struct.unpack("f", struct.pack("f", top_p))[0]) * 2**MASS_BITS)  # fp32 top_p
             for k in range(5):
-                _nucleus_kernel[(B, NB)](logits, logits.stride(0), st, nw[1], counters, V, NB, t_low, float(top_p),
-                                         PASS=k, BLOCK=BLOCK, NBP=triton.next_power_of_2(NB), CH=32, num_warps=4)
+                _nucleus_kernel[(B, NB)](logits, logits.stride(0), st, pk, nw[1], counters, V, NB, t_low, top_q,
+                                         PASS=k, BLOCK=BLOCK, NBP=triton.next_power_of_2(NB), CH=NUCLEUS_CH,
+                                         num_warps=NUCLEUS_WARPS)
         _race_kernel[(B, NB)](logits, logits.stride(0), out, pk, pi,
                               arrival_counters(dev, f"sample race x{bp}", bp), st,
                               V, NB, race_temperature(temperature), bit | (seed & 0xFFFFFFFF),
