@@ -191,17 +191,17 @@ def _nucleus_kernel(l_ptr, sl, st_ptr, pk_ptr, h_ptr, c_ptr, V, NB, temperature,
             tl.store(st + 3, 0.0)  # (the bits of key 0)
             tl.store(hq + 512, tl.zeros([], tl.int64))
         else:
-            hm = tl.load(hq + bins, cache_modifier=".cg")
-            hc = tl.load(hq + 256 + bins, cache_modifier=".cg")
+            qm = tl.load(hq + bins, cache_modifier=".cg")
+            qc = tl.load(hq + 256 + bins, cache_modifier=".cg")
             above = tl.load(hq + 512)
             prefix = tl.load(st + 3).to(tl.uint32, bitcast=True)
             # mass strictly above each bin: the mass above the prefix plus that of the higher bins (a suffix sum less
             # the bin: the highest non-empty bin gets `above` exactly)
-            over = above + (tl.cumsum(hm, axis=0, reverse=True) - hm)
-            take = tl.min(tl.where((hc > 0) & (over < top_q), bins, 256), axis=0)
+            over = above + (tl.cumsum(qm, axis=0, reverse=True) - qm)
+            take = tl.min(tl.where((qc > 0) & (over < top_q), bins, 256), axis=0)
             # none below top_p (a top_p under 2^-45, or rounding at the boundary): the highest non-empty bin, which
             # holds the row's largest logit, whose mass above is `above` exactly
-            top = tl.max(tl.where(hc > 0, bins, -1), axis=0)
+            top = tl.max(tl.where(qc > 0, bins, -1), axis=0)
             new_above = tl.where(take < 256, tl.sum(tl.where(bins == take, over, 0), axis=0), above)
             take = tl.where(take < 256, take, top)
             finite = (tl.load(st) < float("inf")) & (tl.load(st) > float("-inf")) & (take >= 0)
