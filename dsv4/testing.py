@@ -78,8 +78,9 @@ TOLERANCES: dict[str, tuple[float, str]] = {
     ),
     "race_nucleus_margin": (
         1e-5,
-        "the nucleus' masses: fp32 sums in the kernel's order (~1e-6 relative over 129K terms) against the float64 "
-        "reference; a logit whose mass above lies within this of top_p may fall on either side of the boundary",
+        "the nucleus' masses: fp32 sums over each block of 1024 ids (~1e-7 relative), added across blocks as integers "
+        "of 2^-45, against the float64 reference; a logit whose mass above lies within this of top_p may fall on "
+        "either side of the boundary",
     ),
     "race_frequency": (
         0.015,

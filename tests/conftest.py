@@ -21,6 +21,12 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+    try:  # note each kernel the interpreter runs: tests/ops/test_triton_compile.py compiles them for Hopper at the end
+        from dsv4.ops.compile_check import record_launches
+
+        record_launches()
+    except ImportError:  # no Triton here
+        pass
 
 SHARED_DSV4 = Path(__file__).resolve().parents[1].parent / "shared" / "dsv4"
 NEEDS_SHARED = {"shared_dsv4", "encode_case", "parse_case", "tokenizer_case"}  # fixtures that read it
@@ -31,6 +37,7 @@ MISSING = (f"the shared test data folder {SHARED_DSV4} is missing (../shared/dsv
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "shared: needs the shared test data folder ../shared/dsv4")
+    config.addinivalue_line("markers", "after_all_kernels: runs after every other test of the session")
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selection reads the markers
@@ -38,6 +45,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if NEEDS_SHARED & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.shared)
+    # the compile check of the kernels the interpreter ran goes last (it compiles what the tests before it launched)
+    last = [item for item in items if item.get_closest_marker("after_all_kernels")]
+    items[:] = [item for item in items if item not in last] + last
 
 
 def pytest_collection_finish(session):

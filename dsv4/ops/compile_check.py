@@ -1,0 +1,127 @@
+"""Compile for Hopper, on a machine without a GPU, the Triton kernels the interpreter ran.
+
+Under TRITON_INTERPRET=1 (the CPU tests) Triton runs a kernel's Python with numpy and never compiles it: a kernel can
+pass every interpreted test and still be refused by the compiler on the GPU (a name that changes type across a
+runtime branch, a cast the frontend rejects, a layout it cannot lower). The sixty-sixth pass lost a GPU call to one.
+`record_launches()` wraps the interpreter's launch to note each dsv4 kernel launched (its module, name, argument
+types, constexpr values and launch options); `compile_recorded()` compiles each distinct one for sm_90a (the
+installed Triton's frontend, LLVM and bundled ptxas; no driver needed) in a subprocess without the interpreter and
+returns the failures as one line each. `python -m dsv4.ops.compile_check < records.jsonl` is that subprocess.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+
+_RECORDS: dict[str, dict] = {}  # the launch's JSON -> itself
+_UNRECORDED: set[str] = set()  # kernels with a constexpr that JSON cannot hold (named in the report)
+
+
+def record_launches() -> None:
+    """Note every launch of a dsv4 kernel under the interpreter (idempotent)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if getattr(InterpretedFunction.run, "_dsv4_recording", False):
+        return
+    run = InterpretedFunction.run
+
+    def recording_run(self, *args, grid, warmup, **kwargs):
+        if getattr(self.fn, "__module__", "").startswith("dsv4."):
+            _record(self.fn, args, kwargs)
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    recording_run._dsv4_recording = True
+    InterpretedFunction.run = recording_run
+
+
+def _record(fn, args, kwargs) -> None:
+    from triton.runtime.jit import mangle_type
+
+    params = inspect.signature(fn).parameters
+    names = list(params)
+    given = dict(zip(names, args))
+    given.update((k, v) for k, v in kwargs.items() if k in params)
+    options = {k: v for k, v in kwargs.items() if k not in params}
+    sig, consts = {}, {}
+    for name, p in params.items():
+        value = given[name] if name in given else p.default
+        if "constexpr" in str(p.annotation) or value is None:
+            sig[name] = "constexpr"
+            consts[name] = value
+        else:
+            sig[name] = mangle_type(value)
+    rec = {"module": fn.__module__, "name": fn.__qualname__, "signature": sig, "constexprs": consts,
+           "options": options}
+    try:
+        key = json.dumps(rec, sort_keys=True)
+    except TypeError:  # e.g. a tl.dtype passed as a constexpr
+        _UNRECORDED.add(f"{fn.__module__}.{fn.__qualname__}")
+        return
+    _RECORDS.setdefault(key, rec)
+
+
+def recorded() -> list[dict]:
+    return list(_RECORDS.values())
+
+
+def unrecorded() -> list[str]:
+    return sorted(_UNRECORDED)
+
+
+def compile_recorded(records: list[dict] | None = None, timeout: float = 1800) -> list[str]:
+    """Compile `records` (default: those recorded) for sm_90a in a subprocess without the interpreter: one line per
+    kernel that fails."""
+    records = recorded() if records is None else records
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "dsv4.ops.compile_check"], input="\n".join(map(json.dumps, records)),
+                          capture_output=True, text=True, env=env, timeout=timeout)
+    if proc.returncode not in (0, 1):
+        return [f"the compile subprocess failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}"]
+    return [line for line in proc.stdout.splitlines() if line.strip()]
+
+
+def _find_kernel(module: str, name: str):
+    import importlib
+
+    from triton.runtime.jit import JITFunction
+
+    mod = importlib.import_module(module)
+    for obj in vars(mod).values():
+        for cand in (obj, getattr(obj, "fixed", None)):  # a JITFunction, or triton_util.JitTwins' compiled twin
+            if isinstance(cand, JITFunction) and cand.fn.__qualname__ == name:
+                return cand
+    raise LookupError(f"no @triton.jit function {name} in {module}")
+
+
+def _compile_one(rec: dict) -> str | None:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    what = f"{rec['module']}.{rec['name']}{rec['constexprs']} {rec['options'] or ''}".rstrip()
+    try:
+        fn = _find_kernel(rec["module"], rec["name"])
+        triton.compile(ASTSource(fn, rec["signature"], rec["constexprs"]), target=GPUTarget("cuda", 90, 32),
+                       options=rec["options"])
+    except Exception as e:  # noqa: BLE001 (each failure is reported, one line each)
+        msg = " ".join(str(e).split())
+        return f"{what}: {type(e).__name__}: {msg[-600:]}"
+    return None
+
+
+def main() -> int:
+    from concurrent.futures import ProcessPoolExecutor
+
+    records = [json.loads(line) for line in sys.stdin if line.strip()]
+    with ProcessPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1))) as pool:
+        failures = [f for f in pool.map(_compile_one, records) if f]
+    print("\n".join(failures))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
