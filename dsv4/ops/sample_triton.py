@@ -29,7 +29,7 @@ from dsv4.ops.sample import ATANH_COEFFS, PHILOX_M, PHILOX_W, check_race_args, r
 from dsv4.ops.triton_util import arrival_counters
 
 BLOCK = 1024  # 127 programs at Flash's vocabulary
-NUCLEUS_CH, NUCLEUS_WARPS = 16, 8  # rows a step ([CH, 256] bins in registers: 73-80 registers, no spill) and warps
+NUCLEUS_G, NUCLEUS_WARPS = 16, 8  # the nucleus passes' bins a step ([BLOCK, G] compares) and warps
 _M0, _M1 = tl.constexpr(PHILOX_M[0]), tl.constexpr(PHILOX_M[1])
 _W0, _W1 = tl.constexpr(PHILOX_W[0]), tl.constexpr(PHILOX_W[1])
 _A = [tl.constexpr(c) for c in ATANH_COEFFS]
@@ -119,12 +119,12 @@ _MASS_SCALE = tl.constexpr(float(2**MASS_BITS))
 
 @triton.jit(do_not_specialize=["top_q"])
 def _nucleus_kernel(l_ptr, sl, st_ptr, pk_ptr, h_ptr, c_ptr, V, NB, temperature, top_q,
-                    PASS: tl.constexpr, BLOCK: tl.constexpr, NBP: tl.constexpr, CH: tl.constexpr):
+                    PASS: tl.constexpr, BLOCK: tl.constexpr, NBP: tl.constexpr, G: tl.constexpr):
     """The nucleus' smallest logit (sample.nucleus_key_ref) in five launches over the row, PASS 0..4, each finished
     by its last program to arrive. PASS 0: the row's maximum M and normaliser Z (the blocks' partials in pk, combined
     in block order). PASS 1-4: a radix select of the order keys, 8 bits a pass from the top: each program sums its
-    block's probabilities (and counts) per 256 bins of the keys that share the prefix so far, in [CH, 256] registers
-    reduced once, and adds the non-empty bins to the row's histogram as integers of 2^-MASS_BITS (integer atomics:
+    block's probabilities (and counts) per 256 bins of the keys that share the prefix so far (the block loaded once,
+    G bins a step), and adds the non-empty bins to the row's histogram as integers of 2^-MASS_BITS (integer atomics:
     the same sums in any arrival order); the last program takes the lowest non-empty bin whose mass above is still
     below top_p (top_q: top_p in those units, rounded up: `over < top_p` exactly), the bin holding the smallest kept
     logit, adds the mass above it, appends it to the prefix and zeroes the histogram for the next pass.
@@ -152,30 +152,22 @@ def _nucleus_kernel(l_ptr, sl, st_ptr, pk_ptr, h_ptr, c_ptr, V, NB, temperature,
         norm = tl.where(norm > 0.0, norm, 1.0)
         prefix = tl.load(st + 3).to(tl.uint32, bitcast=True)
         SHIFT: tl.constexpr = 32 - 8 * PASS
-        n_sel = tl.zeros([CH], tl.int32)
-        if PASS > 1:  # few blocks hold an id with the prefix: the others skip the bins
-            for c in range(0, BLOCK, CH):
-                offs = j * BLOCK + c + tl.arange(0, CH)
-                x = tl.load(row + offs, mask=offs < V, other=float("-inf"))
-                n_sel += ((x > float("-inf")) & ((_order_key(x) >> (SHIFT + 8)) == prefix)).to(tl.int32)
-        if PASS == 1 or tl.sum(n_sel, axis=0) > 0:
-            am = tl.zeros([CH, 256], tl.float32)
-            ac = tl.zeros([CH, 256], tl.int32)
-            for c in range(0, BLOCK, CH):
-                offs = j * BLOCK + c + tl.arange(0, CH)
-                x = tl.load(row + offs, mask=offs < V, other=float("-inf"))
-                key = _order_key(x)
-                sel = x > float("-inf")  # (past V: -inf)
-                if PASS > 1:
-                    sel = sel & ((key >> (SHIFT + 8)) == prefix)
-                p = tl.where(sel, tl.exp((x - big) / temperature) / norm, 0.0)
-                hit = (((key >> SHIFT) & 255).to(tl.int32)[:, None] == bins[None, :]) & sel[:, None]
-                am += tl.where(hit, p[:, None], 0.0)
-                ac += hit.to(tl.int32)
-            hm = tl.sum(am, axis=0)
-            hc = tl.sum(ac, axis=0)
-            tl.atomic_add(hq + bins, (hm * _MASS_SCALE).to(tl.int64), mask=hc > 0, sem="relaxed")
-            tl.atomic_add(hq + 256 + bins, hc.to(tl.int64), mask=hc > 0, sem="relaxed")
+        offs = j * BLOCK + tl.arange(0, BLOCK)  # the block in registers, one load (a load a loop step waits on its
+        x = tl.load(row + offs, mask=offs < V, other=float("-inf"))  # latency: 15 us for 64 steps, 66th pass)
+        key = _order_key(x)
+        sel = x > float("-inf")  # (past V: -inf)
+        if PASS > 1:
+            sel = sel & ((key >> (SHIFT + 8)) == prefix)
+        if tl.max(sel.to(tl.int32), axis=0) > 0:  # (past pass 1 most blocks hold no id with the prefix)
+            p = tl.where(sel, tl.exp((x - big) / temperature) / norm, 0.0)
+            digit = tl.where(sel, ((key >> SHIFT) & 255).to(tl.int32), -1)
+            for g in range(0, 256, G):  # G bins a step: [BLOCK, G] compares, summed over the block
+                gb = g + tl.arange(0, G)
+                hit = digit[:, None] == gb[None, :]
+                hm = tl.sum(tl.where(hit, p[:, None], 0.0), axis=0)
+                hc = tl.sum(hit.to(tl.int32), axis=0)
+                tl.atomic_add(hq + gb, (hm * _MASS_SCALE).to(tl.int64), mask=hc > 0, sem="relaxed")
+                tl.atomic_add(hq + 256 + gb, hc.to(tl.int64), mask=hc > 0, sem="relaxed")
     tl.debug_barrier()  # the partials are stored before the (release) arrival
     arrived = tl.atomic_add(c_ptr + b, 1, sem="acq_rel")
     if arrived == NB - 1:
@@ -260,7 +252,7 @@ def sample_race(logits: torch.Tensor, temperature: float, seed: int, call: int, 
             top_q = (1 << 46) | math.ceil(Fraction(struct.unpack("f", struct.pack("f", top_p))[0]) * 2**MASS_BITS)  # fp32 top_p
             for k in range(5):
                 _nucleus_kernel[(B, NB)](logits, logits.stride(0), st, pk, nw[1], counters, V, NB, t_low, top_q,
-                                         PASS=k, BLOCK=BLOCK, NBP=triton.next_power_of_2(NB), CH=NUCLEUS_CH,
+                                         PASS=k, BLOCK=BLOCK, NBP=triton.next_power_of_2(NB), G=NUCLEUS_G,
                                          num_warps=NUCLEUS_WARPS)
         _race_kernel[(B, NB)](logits, logits.stride(0), out, pk, pi,
                               arrival_counters(dev, f"sample race x{bp}", bp), st,
