@@ -25,8 +25,8 @@ if not torch.cuda.is_available():
         from dsv4.ops.compile_check import record_launches
 
         record_launches()
-    except ImportError:  # no Triton here
-        pass
+    except (ImportError, AttributeError):  # no Triton here, or one whose interpreter is laid out otherwise (the test
+        pass  # then skips: nothing recorded)
 
 SHARED_DSV4 = Path(__file__).resolve().parents[1].parent / "shared" / "dsv4"
 NEEDS_SHARED = {"shared_dsv4", "encode_case", "parse_case", "tokenizer_case"}  # fixtures that read it

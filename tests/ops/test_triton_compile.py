@@ -18,6 +18,7 @@ def _needs_interpreter():
 def test_interpreted_kernels_compile_for_hopper():
     _needs_interpreter()
     records = compile_check.recorded()
+    assert not compile_check.unrecorded(), f"launches not written down: {compile_check.unrecorded()}"
     if not records:
         pytest.skip("no dsv4 kernel ran under the interpreter in this session")
     failures = compile_check.compile_recorded(records)
