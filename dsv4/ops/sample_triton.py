@@ -17,6 +17,7 @@ with bit 32 set so that Triton types them as int64 whatever their value (one com
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import struct
 from fractions import Fraction
@@ -206,6 +207,13 @@ def _nucleus_kernel(l_ptr, sl, st_ptr, pk_ptr, h_ptr, c_ptr, V, NB, temperature,
         tl.atomic_xchg(c_ptr + b, 0)
 
 
+@functools.lru_cache(maxsize=64)
+def _top_q(top_p: float) -> int:
+    """top_p rounded to fp32, in units of 2^-MASS_BITS rounded up (`mass < top_p` as an integer compare), with bit 46
+    set so that Triton types it int64 (made once per value: not per draw)."""
+    return (1 << 46) | math.ceil(Fraction(struct.unpack("f", struct.pack("f", top_p))[0]) * 2**MASS_BITS)
+
+
 _WORK: dict = {}  # (device, B, NB, nucleus, stream role) -> the partials (and the nucleus' state and bins): made once
 
 
@@ -249,7 +257,7 @@ def sample_race(logits: torch.Tensor, temperature: float, seed: int, call: int, 
         if nucleus:
             t_low = max(race_temperature(temperature), 2.0**-126)  # the softmax's: a normal fp32 number
             counters = arrival_counters(dev, f"sample nucleus x{bp}", bp)
-            top_q = (1 << 46) | math.ceil(Fraction(struct.unpack("f", struct.pack("f", top_p))[0]) * 2**MASS_BITS)  # fp32 top_p
+            top_q = _top_q(float(top_p))
             for k in range(5):
                 _nucleus_kernel[(B, NB)](logits, logits.stride(0), st, pk, nw[1], counters, V, NB, t_low, top_q,
                                          PASS=k, BLOCK=BLOCK, NBP=triton.next_power_of_2(NB), G=NUCLEUS_G,
