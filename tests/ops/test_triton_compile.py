@@ -26,21 +26,14 @@ def test_interpreted_kernels_compile_for_hopper():
                          "sm_90a:\n" + "\n".join(failures)
 
 
-def test_a_kernel_the_compiler_refuses_is_reported():
+def test_a_kernel_the_compiler_refuses_is_reported(monkeypatch):
     # the sixty-sixth pass's nucleus finisher: a name typed fp32 before a runtime branch and int64 inside it runs
     # under the interpreter, and the compiler refuses it; a correct kernel compiles
     _needs_interpreter()
     recs = [{"module": "tests_compile_probe", "name": name, "signature": {"x_ptr": "*fp32", "n": "i32"},
              "constexprs": {}, "options": {"num_warps": 1}} for name in ("bad", "good")]
-    env_path = os.path.join(os.path.dirname(__file__), "compile_probe")
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = env_path + (os.pathsep + old if old else "")
-    try:
-        failures = compile_check.compile_recorded(recs)
-    finally:
-        if old is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = old
+    probe = os.path.join(os.path.dirname(__file__), "compile_probe")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (probe, os.environ.get("PYTHONPATH")) if p))
+    failures = compile_check.compile_recorded(recs)
     assert len(failures) == 1 and failures[0].startswith("tests_compile_probe.bad{}"), failures
     assert "int64" in failures[0]
