@@ -131,6 +131,7 @@ def _nucleus_kernel(l_ptr, sl, st_ptr, pk_ptr, h_ptr, c_ptr, V, NB, temperature,
     logit, adds the mass above it, appends it to the prefix and zeroes the histogram for the next pass.
     st [B, 4] fp32 (bits): M, Z, -, the prefix (after PASS 4 the smallest kept logit's key; 0, keep everything, where
     M is not finite). h [B, 520] int64: the bins' masses, their counts, the mass above the prefix."""
+    tl.static_assert(256 // G <= 64, "the steps' occupancy is one int64 word")
     b = tl.program_id(0)
     j = tl.program_id(1)
     top_q = top_q & 70368744177663  # (bit 46 set by the caller: typed int64 whatever its value)
@@ -159,16 +160,21 @@ def _nucleus_kernel(l_ptr, sl, st_ptr, pk_ptr, h_ptr, c_ptr, V, NB, temperature,
         sel = x > float("-inf")  # (past V: -inf)
         if PASS > 1:
             sel = sel & ((key >> (SHIFT + 8)) == prefix)
-        if tl.max(sel.to(tl.int32), axis=0) > 0:  # (past pass 1 most blocks hold no id with the prefix)
+        digit = tl.where(sel, ((key >> SHIFT) & 255).to(tl.int32), -1)
+        # the steps whose G bins hold an id of the block, as bits of one word (one reduction): the others are skipped
+        # (pass 1's digit is the sign and 7 exponent bits, which a row's logits fill only a few steps of; past it a
+        # block holds few or no ids with the prefix)
+        occ = tl.reduce_or(tl.where(sel, tl.full([BLOCK], 1, tl.int64) << (digit // G).to(tl.int64), 0), axis=0)
+        if occ != 0:
             p = tl.where(sel, tl.exp((x - big) / temperature) / norm, 0.0)
-            digit = tl.where(sel, ((key >> SHIFT) & 255).to(tl.int32), -1)
             for g in range(0, 256, G):  # G bins a step: [BLOCK, G] compares, summed over the block
-                gb = g + tl.arange(0, G)
-                hit = digit[:, None] == gb[None, :]
-                hm = tl.sum(tl.where(hit, p[:, None], 0.0), axis=0)
-                hc = tl.sum(hit.to(tl.int32), axis=0)
-                tl.atomic_add(hq + gb, (hm * _MASS_SCALE).to(tl.int64), mask=hc > 0, sem="relaxed")
-                tl.atomic_add(hq + 256 + gb, hc.to(tl.int64), mask=hc > 0, sem="relaxed")
+                if ((occ >> (g // G)) & 1) != 0:
+                    gb = g + tl.arange(0, G)
+                    hit = digit[:, None] == gb[None, :]
+                    hm = tl.sum(tl.where(hit, p[:, None], 0.0), axis=0)
+                    hc = tl.sum(hit.to(tl.int32), axis=0)
+                    tl.atomic_add(hq + gb, (hm * _MASS_SCALE).to(tl.int64), mask=hc > 0, sem="relaxed")
+                    tl.atomic_add(hq + 256 + gb, hc.to(tl.int64), mask=hc > 0, sem="relaxed")
     tl.debug_barrier()  # the partials are stored before the (release) arrival
     arrived = tl.atomic_add(c_ptr + b, 1, sem="acq_rel")
     if arrived == NB - 1:
