@@ -164,7 +164,8 @@ def _nucleus_kernel(l_ptr, sl, st_ptr, pk_ptr, h_ptr, c_ptr, V, NB, temperature,
         # the steps whose G bins hold an id of the block, as bits of one word (one reduction): the others are skipped
         # (pass 1's digit is the sign and 7 exponent bits, which a row's logits fill only a few steps of; past it a
         # block holds few or no ids with the prefix)
-        occ = tl.reduce_or(tl.where(sel, tl.full([BLOCK], 1, tl.int64) << (digit // G).to(tl.int64), 0), axis=0)
+        step = (tl.where(sel, digit, 0) // G).to(tl.int64)  # (no shift by a negative amount where unselected)
+        occ = tl.reduce_or(tl.where(sel, tl.full([BLOCK], 1, tl.int64) << step, 0), axis=0)
         if occ != 0:
             p = tl.where(sel, tl.exp((x - big) / temperature) / norm, 0.0)
             for g in range(0, 256, G):  # G bins a step: [BLOCK, G] compares, summed over the block

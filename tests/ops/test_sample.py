@@ -235,6 +235,20 @@ def test_fast_nucleus_matches_reference(B, V):
                 assert kept[torch.arange(B), got.cpu()].all()  # every draw inside the nucleus
 
 
+def test_nucleus_rows_that_fill_every_step_of_bins():
+    # a pass runs only its steps of G bins that hold an id: a row over all of fp32's binades, both signs, fills every
+    # step of pass 1 (a sign and 3 exponent bits a step); one inside [4, 16) fills every step of pass 2 (its digit is
+    # the low exponent bit and 7 mantissa bits)
+    g = torch.Generator().manual_seed(3)
+    V = 3000
+    wide = torch.ldexp(torch.rand(V, generator=g) + 1, torch.randint(-126, 127, (V,), generator=g))
+    wide = torch.where(torch.rand(V, generator=g) < 0.5, -wide, wide)
+    narrow = 4 + 12 * torch.rand(V, generator=g)
+    logits = torch.stack([wide, narrow]).to(DEV)
+    for temperature, top_p in ((1e37, 0.9), (0.5, 0.5), (1.0, 0.999)):
+        _check_nucleus(logits, temperature, top_p)
+
+
 def test_nucleus_keeps_ties_and_follows_the_distribution():
     # mass above each 0.2 is 0.4 < 0.5: all three tied ids are kept (sample() keeps a prefix of its sort's order)
     tied = torch.tensor([[0.4, 0.2, 0.2, 0.2]]).log()
