@@ -6,13 +6,16 @@ runtime branch, a cast the frontend rejects, a layout it cannot lower). The sixt
 `record_launches()` wraps the interpreter's launch to note each dsv4 kernel launched (its module, name, argument
 types, constexpr values and launch options); `compile_recorded()` compiles each distinct one for sm_90a (the
 installed Triton's frontend, LLVM and bundled ptxas; no driver needed) in a subprocess without the interpreter and
-returns the failures as one line each. `python -m dsv4.ops.compile_check < records.jsonl` is that subprocess.
+returns the failures as one line each. `python -m dsv4.ops.compile_check` is that subprocess: one record a line on
+its stdin, then END.
 
-Compiling every distinct launch of the CPU suite takes ~5 min of 2 cores (288 launches, sixty-seventh pass), while the
-interpreted tests keep about one core busy. `stream_in_background()` (the suite's conftest calls it when the compile
-test is selected) hands each launch, as it is first recorded, to that subprocess (`--stream`, at the lowest CPU
-priority), which compiles while the tests run; `compile_recorded()` then waits for what is left (CI with an empty
-Triton cache: 717 s -> 557 s).
+The CPU suite makes 288 distinct launches; compiling them took 311 s at the end of the suite on 2 cores (~240 s of one
+core one after another, sixty-seventh pass), while the interpreted tests keep about one core busy.
+`stream_in_background()` (the suite's conftest calls it when the compile test is selected) starts that subprocess at
+collection, at the lowest CPU priority (`--background`), and hands it each launch as it is first recorded, so that it
+compiles while the tests run; `compile_recorded()` then waits for what is left (CI with an empty Triton cache: 717 s ->
+557 s). Whatever goes wrong with it (it dies, a compiler crashes its worker, a record is lost) fails the compile test
+with its stderr, never the test that launched the kernel.
 """
 
 from __future__ import annotations
@@ -21,17 +24,22 @@ import atexit
 import inspect
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
+from pathlib import Path
 
 _RECORDS: dict[str, dict] = {}  # the launch's JSON, less its scalar types -> the first such launch
 _UNRECORDED: set[str] = set()  # kernels launched with an argument _describe cannot write down (the test names them)
-_STREAMING = False  # stream_in_background() was called: each new record goes to _STREAM
-_STREAM: subprocess.Popen | None = None  # the background compiler (`--stream`), started with the first record sent
-_SENT = 0  # records sent to _STREAM
-END = "END"  # the line that tells the background compiler every record is sent (EOF without it: the parent is gone)
-COMPILED = "# compiled"  # its last line after END: "# compiled N"
+_LOCK = threading.Lock()  # (kernels launched from two threads at once)
+_STREAM: _Compiler | None = None  # stream_in_background()'s compiler: each new record is sent to it
+_BROKEN = False  # sending to _STREAM failed: compile_recorded() compiles every record anew instead
+_ROOT = Path(__file__).resolve().parents[2]  # the compile subprocess runs here: it imports this dsv4, not another
+END = "END"  # the line after the last record: the compiler then prints its failures and "# compiled N"; at EOF
+# without it (the parent has gone) it stops its workers and exits 2
+COMPILED = "# compiled"
 
 
 def record_launches() -> None:
@@ -64,9 +72,9 @@ def _record(fn, args, kwargs) -> None:
     rel = dict(rec, signature={k: v for k, v in rec["signature"].items() if v.startswith("*") or v == "constexpr"},
                constexprs={k: "tile" if _is_tile(v) else v for k, v in rec["constexprs"].items()})
     key = json.dumps(rel, sort_keys=True)
-    if key not in _RECORDS:
-        _RECORDS[key] = rec
-        if _STREAMING:
+    with _LOCK:
+        if key not in _RECORDS:
+            _RECORDS[key] = rec
             _send(rec)
 
 
@@ -107,72 +115,104 @@ def _compile_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 
 
+class _Compiler:
+    """A compile subprocess (`python -m dsv4.ops.compile_check`, its own process group) fed one record a line;
+    `background`: at the lowest CPU priority."""
+
+    def __init__(self, background: bool = False):
+        self.log = tempfile.TemporaryFile("w+", errors="replace")  # its stderr: read only when something went wrong
+        self.proc = subprocess.Popen([sys.executable, "-m", "dsv4.ops.compile_check"] + ["--background"] * background,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     env=_compile_env(), cwd=_ROOT, start_new_session=True)
+        self.sent = 0
+
+    def send(self, rec: dict) -> None:
+        self.proc.stdin.write(json.dumps(rec) + "\n")
+        self.proc.stdin.flush()
+        self.sent += 1
+
+    def finish(self, timeout: float) -> list[str]:
+        """END, then its failures, one line each; one more where it did not report every record sent compiled."""
+        try:
+            out, _ = self.proc.communicate(END + "\n", timeout=timeout)
+        except BaseException:  # (a timeout, Ctrl-C: no compile left running)
+            self.stop()
+            raise
+        lines = [line for line in out.splitlines() if line.strip()]
+        done = lines.pop() if lines and lines[-1].startswith(COMPILED) else None
+        if self.proc.returncode not in (0, 1) or done != f"{COMPILED} {self.sent}":
+            self.log.seek(0)
+            lines.append(f"the compile subprocess (exit {self.proc.returncode}) was sent {self.sent} launches and "
+                         f"reported {done!r}: {self.log.read().strip()[-2000:]}")
+        return lines
+
+    def stop(self) -> None:
+        """EOF (it stops its workers and exits), then the whole process group killed if it has not gone."""
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(timeout=5)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):  # (the group is gone)
+            pass
+        self.proc.wait()
+
+
 def stream_in_background() -> None:
-    """From now on compile each new record (and those recorded so far) in a background subprocess at the lowest CPU
-    priority as it is recorded; compile_recorded() collects its failures."""
-    global _STREAMING
-    if _STREAMING:
-        return
-    _STREAMING = True
-    for rec in _RECORDS.values():
-        _send(rec)
+    """Start a background compiler now (this environment and working directory, the lowest CPU priority) and send
+    it each record as it is made, those recorded so far first; compile_recorded() collects its failures."""
+    global _STREAM
+    with _LOCK:
+        if _STREAM is not None or _BROKEN:
+            return
+        _STREAM = _Compiler(background=True)
+        atexit.register(_stop_stream)
+        for rec in _RECORDS.values():
+            _send(rec)
 
 
 def _send(rec: dict) -> None:
-    global _STREAM, _SENT
-    if _STREAM is None:
-        log = tempfile.TemporaryFile("w+")  # its stderr (Triton's warnings): read only if it fails
-        _STREAM = subprocess.Popen([sys.executable, "-m", "dsv4.ops.compile_check", "--stream"], stdin=subprocess.PIPE,
-                                   stdout=subprocess.PIPE, stderr=log, text=True, env=_compile_env())
-        _STREAM.log, _SENT = log, 0
-        atexit.register(_stop_stream)
-    _STREAM.stdin.write(json.dumps(rec) + "\n")
-    _STREAM.stdin.flush()
-    _SENT += 1
+    global _BROKEN
+    if _STREAM is None or _BROKEN:
+        return
+    try:
+        _STREAM.send(rec)
+    except OSError:  # it has died: never raised into the test that launched the kernel; the end compiles anew
+        _BROKEN = True
 
 
 def _stop_stream() -> None:
-    """At exit without compile_recorded(): EOF without END, so the background compiler drops what it has queued."""
     global _STREAM
-    proc, _STREAM = _STREAM, None
-    if proc is None or proc.poll() is not None:
-        return
-    try:
-        proc.stdin.close()
-        proc.wait(timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        proc.kill()
-
-
-def _failures(returncode: int, stdout: str, stderr: str) -> list[str]:
-    if returncode not in (0, 1):
-        return [f"the compile subprocess failed (exit {returncode}): {stderr.strip()[-2000:]}"]
-    return [line for line in stdout.splitlines() if line.strip()]
+    with _LOCK:
+        comp, _STREAM = _STREAM, None
+    if comp is not None:
+        comp.stop()
 
 
 def compile_recorded(records: list[dict] | None = None, timeout: float = 1800) -> list[str]:
-    """Compile `records` for sm_90a in a subprocess without the interpreter: one line per kernel that fails. Default:
-    those recorded, which the background compiler has been given if stream_in_background() ran (it is then told
-    that all are sent and waited for)."""
-    global _STREAM, _STREAMING
-    if records is None and _STREAM is not None:
-        proc, _STREAM, _STREAMING = _STREAM, None, False
-        try:
-            out, _ = proc.communicate(END + "\n", timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
-        proc.log.seek(0)
-        failures = _failures(proc.returncode, out, proc.log.read())
-        # its last line counts what it compiled: all that was sent, or the check did not cover them
-        done = failures.pop() if failures and failures[-1].startswith(COMPILED) else None
-        if proc.returncode in (0, 1) and done != f"{COMPILED} {_SENT}":
-            failures.append(f"the background compiler was sent {_SENT} launches and reported {done!r}")
-        return failures
-    records = recorded() if records is None else records
-    proc = subprocess.run([sys.executable, "-m", "dsv4.ops.compile_check"], input="\n".join(map(json.dumps, records)),
-                          capture_output=True, text=True, env=_compile_env(), timeout=timeout)
-    return _failures(proc.returncode, proc.stdout, proc.stderr)
+    """Compile `records` for sm_90a in a subprocess without the interpreter: one line per kernel that fails (and one
+    where the subprocess did not report them all compiled). Default: those recorded, which the background compiler
+    has been sent where stream_in_background() ran (it is then told that all are sent and waited for; if sending to
+    it failed, they are compiled anew)."""
+    global _STREAM
+    if records is None:
+        with _LOCK:
+            comp, _STREAM = _STREAM, None
+            records = recorded()
+        if comp is not None and not _BROKEN:
+            return comp.finish(timeout)
+        if comp is not None:
+            comp.stop()
+    comp = _Compiler()
+    try:
+        for rec in records:
+            comp.send(rec)
+    except OSError:
+        pass  # (it died: finish reports what it printed and its stderr)
+    return comp.finish(timeout)
 
 
 def _find_kernel(module: str, name: str):
@@ -195,7 +235,7 @@ def _compile_one(rec: dict) -> str | None:
 
     import triton.language as tl
 
-    what = f"{rec['module']}.{rec['name']}{rec['constexprs']} {rec['options'] or ''}".rstrip()
+    what = _what(rec)
     try:
         fn = _find_kernel(rec["module"], rec["name"])
         consts = {k: tl.dtype(v["tl_dtype"]) if isinstance(v, dict) else v for k, v in rec["constexprs"].items()}
@@ -207,35 +247,58 @@ def _compile_one(rec: dict) -> str | None:
     return None
 
 
+def _what(rec: dict) -> str:
+    return f"{rec['module']}.{rec['name']}{rec['constexprs']} {rec['options'] or ''}".rstrip()
+
+
 def main(argv: list[str]) -> int:
-    """Compile the records on stdin (one JSON a line) and print the failures, one line each (exit 1 if any). With
-    `--stream`, each is queued as its line arrives, until a line END (then the failures are printed and a last line
-    "# compiled N"); at EOF without END the parent has gone: the queue is dropped (exit 2)."""
+    """Compile the records on stdin (one JSON a line), each queued as its line arrives, until a line END; then print
+    the failures, one line each, and "# compiled N" (exit 1 if any failed). `--background`: at the lowest CPU
+    priority (its workers too). At EOF without END (the parent has gone) the workers are stopped at once (exit 2)."""
     from concurrent.futures import ProcessPoolExecutor
 
-    if "--stream" in argv and hasattr(os, "nice"):
-        os.nice(19)  # beside the tests: the lowest priority, its compile workers too (set here, not by a preexec_fn,
-        # which can deadlock a child forked from the threaded test process)
-    with ProcessPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1))) as pool:
-        if "--stream" not in argv:
-            records = [json.loads(line) for line in sys.stdin if line.strip()]
-            failures = [f for f in pool.map(_compile_one, records) if f]
-        else:
-            futures = []
-            for line in sys.stdin:
-                if line.strip() == END:
-                    break
-                if line.strip():
-                    futures.append(pool.submit(_compile_one, json.loads(line)))
-            else:
-                pool.shutdown(cancel_futures=True)
-                return 2
-            failures = [f for f in (fut.result() for fut in futures) if f]
-            print("\n".join(failures + [f"{COMPILED} {len(futures)}"]))
-            return 1 if failures else 0
-    print("\n".join(failures))
+    if "--background" in argv and hasattr(os, "nice"):
+        os.nice(19)  # set here, not by a preexec_fn, which can deadlock a child forked from the threaded test process
+    pool = ProcessPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1)))
+    jobs = []
+    for line in sys.stdin:
+        if line.strip() == END:
+            break
+        if line.strip():
+            rec = json.loads(line)
+            try:
+                jobs.append((rec, pool.submit(_compile_one, rec)))
+            except Exception as e:  # noqa: BLE001 (a worker died: the pool is broken; reported below)
+                jobs.append((rec, e))
+    else:
+        workers = list((getattr(pool, "_processes", None) or {}).values())  # (the executor's own processes)
+        for proc in workers:
+            proc.kill()
+        for proc in workers:
+            proc.join(5)
+        os._exit(2)
+    failures, done = [], 0
+    for rec, job in jobs:
+        try:
+            if isinstance(job, Exception):
+                raise job
+            failure = job.result()
+            done += 1
+        except Exception as e:  # noqa: BLE001 (a compiler that crashed its worker: that launch is reported)
+            failure = f"{_what(rec)}: its compile worker died: {type(e).__name__}: {e}"
+        if failure:
+            failures.append(failure)
+    pool.shutdown(wait=False, cancel_futures=True)
+    print("\n".join(failures + [f"{COMPILED} {done}"]), flush=True)
     return 1 if failures else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        code = main(sys.argv[1:])
+    except BaseException:  # noqa: BLE001 (exit 3: not "1, failures listed")
+        import traceback
+
+        traceback.print_exc()
+        code = 3
+    sys.exit(code)

@@ -235,18 +235,26 @@ def test_fast_nucleus_matches_reference(B, V):
                 assert kept[torch.arange(B), got.cpu()].all()  # every draw inside the nucleus
 
 
-def test_nucleus_rows_that_fill_every_step_of_bins():
-    # a pass runs only its steps of G bins that hold an id: a row over all of fp32's binades, both signs, fills every
-    # step of pass 1 (a sign and 3 exponent bits a step); one inside [4, 16) fills every step of pass 2 (its digit is
-    # the low exponent bit and 7 mantissa bits)
+def _floats_of_keys(k: torch.Tensor) -> torch.Tensor:
+    """uint32 order keys (int64) -> the fp32 values they order (order_key_ref's inverse)."""
+    b = torch.where(k >= 1 << 31, k - (1 << 31), ~k & 0xFFFFFFFF)
+    return torch.where(b >= 1 << 31, b - (1 << 32), b).to(torch.int32).view(torch.float32)
+
+
+def test_nucleus_passes_run_each_step_of_bins_that_holds_ids():
+    # a pass runs only its steps of G = 16 bins that hold an id: rows whose nucleus edge lies in each step of each pass
+    # (a step skipped wrongly drops mass above the edge, or the edge itself)
     g = torch.Generator().manual_seed(3)
     V = 3000
-    wide = torch.ldexp(torch.rand(V, generator=g) + 1, torch.randint(-126, 127, (V,), generator=g))
-    wide = torch.where(torch.rand(V, generator=g) < 0.5, -wide, wide)
-    narrow = 4 + 12 * torch.rand(V, generator=g)
-    logits = torch.stack([wide, narrow]).to(DEV)
-    for temperature, top_p in ((1e37, 0.9), (0.5, 0.5), (1.0, 0.999)):
-        _check_nucleus(logits, temperature, top_p)
+    # pass 1: one row per step, every id of the row in it (the step's middle bin, random lower 24 bits)
+    digit = torch.arange(16) * 16 + 8
+    keys = (digit[:, None] << 24) | torch.randint(0, 1 << 24, (16, V), generator=g)
+    _check_nucleus(_floats_of_keys(keys).to(DEV), 1.0, 0.5)
+    # passes 2-4: a row inside one bin of the pass before, over all of this pass' bins, the mass spread evenly (the
+    # temperature at its cap) and the edge in the lowest step, so every step holds mass above it
+    u = torch.rand(3, V, generator=g, dtype=torch.float64)
+    rows = torch.stack([2 + 6 * u[0], 2 + 2**-6 * 0.999 * u[1], 2 + torch.floor(256 * u[2]) * 2**-22]).float()
+    _check_nucleus(rows.to(DEV), 1e30, 0.99)
 
 
 def test_nucleus_keeps_ties_and_follows_the_distribution():

@@ -3,8 +3,10 @@ the interpreter never compiles a kernel, so one the compiler refuses would other
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -48,18 +50,47 @@ def test_a_kernel_the_compiler_refuses_is_reported(monkeypatch):
     assert "int64" in failures[0]
 
 
-def test_the_background_compiler_reports_after_end_and_drops_its_queue_without_it(monkeypatch):
-    # `--stream` (the suite's background compiler): records queued line by line, the failures printed once END
-    # arrives; at EOF without END (the test process gone) nothing is printed and it exits 2
+def test_the_compile_subprocess_reports_after_end_and_stops_its_workers_without_it(monkeypatch):
+    # the subprocess queues records line by line and prints the failures and "# compiled N" once END arrives; at EOF
+    # without END (the test process gone) it prints nothing, exits 2 and leaves no worker compiling: its process
+    # group (its own session) is gone
     _needs_interpreter()
     _probe_path(monkeypatch)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     lines = "".join(json.dumps(r) + "\n" for r in PROBES)
-    cmd = [sys.executable, "-m", "dsv4.ops.compile_check", "--stream"]
+    cmd = [sys.executable, "-m", "dsv4.ops.compile_check", "--background"]
     done = subprocess.run(cmd, input=lines + compile_check.END + "\n", capture_output=True, text=True, env=env,
                           timeout=300)
     out = [line for line in done.stdout.splitlines() if line.strip()]
     assert done.returncode == 1 and len(out) == 2 and out[0].startswith("tests_compile_probe.bad{}"), done
     assert out[1] == f"{compile_check.COMPILED} 2"
-    gone = subprocess.run(cmd, input=lines, capture_output=True, text=True, env=env, timeout=300)
-    assert gone.returncode == 2 and not gone.stdout.strip(), gone
+    slow = "".join(json.dumps(dict(r, module="tests_compile_probe_slow")) + "\n" for r in PROBES)  # (a minute each)
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env=env, start_new_session=True)
+    try:
+        out, _ = proc.communicate(slow * 10, timeout=120)  # (its workers' stdout closes when they are gone)
+        assert proc.returncode == 2 and not out.strip()
+        for _ in range(100):
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("a compile worker outlived the subprocess after EOF")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_a_compiler_that_crashes_its_worker_fails_the_check(monkeypatch):
+    # a worker that dies (here: the kernel's module ends the process as it is imported) is a failure, never a pass
+    _needs_interpreter()
+    _probe_path(monkeypatch)
+    crash = dict(PROBES[1], module="tests_compile_probe_crash")
+    failures = compile_check.compile_recorded([crash])
+    assert failures and failures[0].startswith("tests_compile_probe_crash.good{}"), failures
+    assert "worker died" in failures[0]
+    assert "was sent 1 launches and reported '# compiled 0'" in failures[-1]
