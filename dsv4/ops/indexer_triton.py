@@ -34,7 +34,8 @@ import triton.language as tl
 from dsv4 import ops
 from dsv4.ops.indexer import indexer_scores_ref
 from dsv4.ops.kv_pack import KEY_BLOCK, is_packed, key_row_bytes, packed_key_dim
-from dsv4.ops.triton_util import PDL, JitTwins, gdc_launch_dependents, gdc_wait, packed_key_tile, pdl_launch
+from dsv4.ops.triton_util import (PDL, JitTwins, gdc_launch_dependents, gdc_wait, packed_key_tile, pdl_launch,
+                                  rne_bf16)
 
 _KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
@@ -50,14 +51,11 @@ def _pow2_ge(v: int) -> int:
 @triton.jit
 def _round_kind(x, KIND: tl.constexpr, HW: tl.constexpr):
     """fp32 -> the nearest value of bf16 / fp16 / fp32 (ties to even), still fp32. On the GPU (HW) one cvt.rn
-    (the widening back is exact); in the Triton interpreter, whose fp32 -> bf16 cast truncates, bf16 is written
-    out in integer ops."""
+    (the widening back is exact); in the Triton interpreter, whose fp32 -> bf16 cast truncates, rne_bf16."""
     if KIND == 0:
         if HW:
             return x.to(tl.bfloat16).to(tl.float32)
-        b = x.to(tl.int32, bitcast=True)
-        r = ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-        return tl.where(x == x, r, x)
+        return rne_bf16(x)
     elif KIND == 1:
         return x.to(tl.float16).to(tl.float32)
     else:

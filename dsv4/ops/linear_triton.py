@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.ops.triton_util import arrival_counters, ue8m0_scale
+from dsv4.ops.triton_util import arrival_counters, rne_bf16, ue8m0_scale
 
 from dsv4.ops.linear import ACT_BLOCK, PreparedLinear, check_codes
 
@@ -97,12 +97,9 @@ def _fp4_scale(sc, FMT: tl.constexpr):
 
 @triton.jit
 def _out(v, o_ptr):
-    """fp32 -> the output dtype, rounded once to nearest-even. For bf16 the rounding is written out (then the
-    cast is exact): the Triton interpreter's fp32 -> bf16 cast truncates; the GPU's cvt.rn gives the same."""
+    """fp32 -> the output dtype, rounded once to nearest-even (bf16: triton_util.rne_bf16, then the cast is exact)."""
     if o_ptr.dtype.element_ty == tl.bfloat16:
-        b = v.to(tl.int32, bitcast=True)
-        r = ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-        v = tl.where(v == v, r, v)
+        v = rne_bf16(v)
     return v.to(o_ptr.dtype.element_ty)
 
 

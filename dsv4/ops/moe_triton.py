@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.ops.triton_util import arrival_counters, ue8m0_scale
+from dsv4.ops.triton_util import arrival_counters, rne_bf16, ue8m0_scale
 
 from dsv4.ops.linear import ACT_BLOCK, PreparedLinear
 
@@ -91,12 +91,9 @@ def _act_sim(xv, R: tl.constexpr, C: tl.constexpr, HW: tl.constexpr):
 
 @triton.jit
 def _round_to(v, BF16: tl.constexpr):
-    """fp32 -> fp32 rounded to the nearest bf16 (ties to even, NaN kept) when BF16, else v. Written with integer
-    ops: the interpreter's fp32 -> bf16 cast truncates."""
+    """fp32 -> fp32 rounded to the nearest bf16 (ties to even, NaN kept: triton_util.rne_bf16) when BF16, else v."""
     if BF16:
-        b = v.to(tl.int32, bitcast=True)
-        r = ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-        v = tl.where(v == v, r, v)
+        v = rne_bf16(v)
     return v
 
 

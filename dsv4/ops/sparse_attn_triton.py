@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from dsv4.ops.kv_pack import ROPE, is_packed, packed_dim
-from dsv4.ops.triton_util import JitTwins, packed_kv_chunk, rope_pairs
+from dsv4.ops.triton_util import JitTwins, packed_kv_chunk, rne_bf16, rope_pairs
 
 BLOCK = 64  # slots per online-softmax step, as sparse_attn_ref and DeepSeek's kernel
 
@@ -43,19 +43,10 @@ _KV_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
 @triton.jit
-def _rne_bf16(x):
-    """fp32 -> the nearest bf16 value (ties to even) as fp32. Written out: the Triton interpreter's
-    fp32 -> bf16 cast truncates; the GPU's cvt.rn gives the same. NaN passes through."""
-    b = x.to(tl.int32, bitcast=True)
-    r = ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-    return tl.where(x == x, r, x)
-
-
-@triton.jit
 def _round_kind(x, KIND: tl.constexpr):
     """fp32 -> the nearest value of the KV dtype (bf16 / fp16 / fp32, ties to even), still fp32."""
     if KIND == 0:
-        return _rne_bf16(x)
+        return rne_bf16(x)
     elif KIND == 1:
         return x.to(tl.float16).to(tl.float32)
     else:
@@ -66,7 +57,7 @@ def _round_kind(x, KIND: tl.constexpr):
 def _to_kind(x, KIND: tl.constexpr):
     """fp32 -> the KV dtype, rounded to nearest-even (the cast after _round_kind is exact)."""
     if KIND == 0:
-        return _rne_bf16(x).to(tl.bfloat16)
+        return rne_bf16(x).to(tl.bfloat16)
     elif KIND == 1:
         return x.to(tl.float16)
     else:

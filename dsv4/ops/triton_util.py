@@ -67,11 +67,19 @@ _FLOOR = tl.constexpr(FP8_AMAX_FLOOR)
 
 
 @triton.jit
+def rne_bf16(v):
+    """fp32 -> the nearest bf16 value (ties to even), still fp32; NaN kept. Written with integer ops: the Triton
+    interpreter's fp32 -> bf16 cast truncates (the GPU's cvt.rn rounds the same way as this)."""
+    b = v.to(tl.int32, bitcast=True)
+    r = ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    return tl.where(v == v, r, v)
+
+
+@triton.jit
 def round_to(v, DT: tl.constexpr):
+    """fp32 -> the nearest value of DT (ties to even), still fp32."""
     if DT == tl.bfloat16:
-        b = v.to(tl.int32, bitcast=True)
-        r = ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-        return tl.where(v == v, r, v)
+        return rne_bf16(v)
     else:
         return v.to(DT).to(tl.float32)
 
