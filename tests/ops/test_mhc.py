@@ -105,7 +105,8 @@ def _check_head(B, S, D, dev):
 
 
 @pytest.mark.skipif(CUDA, reason="the interpreted tier runs where there is no GPU")
-@pytest.mark.parametrize("B,S,D", [(1, 1, 64), (1, 3, 96), (2, 2, 128)])
+# D = 600: two column blocks of BLOCK_D = 512, the second partial
+@pytest.mark.parametrize("B,S,D", [(1, 1, 64), (1, 3, 96), (2, 2, 128), (1, 2, 600)])
 def test_interpreted_small(B, S, D):
     _check_pre(B, S, D, "cpu")
     _check_pre(B, S, D, "cpu", torch.float32)
@@ -129,6 +130,72 @@ def test_interpreted_boundary_with_codes(B, S, D):
         x, fn, base, scale = _inputs(1, 1, 64, "cpu")
         _fast().mhc_pre_norm(x, fn, base, scale, 4, 20, 1e-6, 1e-6, torch.ones(64, dtype=torch.bfloat16), 1e-6,
                              quant=True)
+
+
+# comb logits whose Sinkhorn converges slowly (three rows share two preferred columns): one round more or fewer
+# moves comb ~100x the op_fp32_out tolerance, where random logits converge below it within 20 rounds
+SLOW_COMB = 8.0 * torch.tensor([[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 0, 1.0]])
+
+
+def _slow_inputs(B, S, D, dev, seed):
+    x, fn, base, scale = _inputs(B, S, D, "cpu", seed=seed)
+    base[8:] = SLOW_COMB.flatten()
+    return [t.to(dev) for t in (x, fn, base, torch.ones(3))]
+
+
+def _far(a: torch.Tensor, b: torch.Tensor, name: str) -> bool:
+    """a and b differ by over 20x the tolerance `name` allows (relative to b's largest magnitude)."""
+    from dsv4.testing import TOLERANCES
+
+    return float((a.float() - b.float()).abs().max()) > 20 * TOLERANCES[name][0] * float(b.float().abs().max())
+
+
+def check_iterations_and_eps_count(fast_pre_norm, dev):
+    """fast_pre_norm(x, fn, base, scale, iters, hc_eps, norm_eps, w, eps) -> (y, post, comb) against
+    mhc_pre_norm_ref where the Sinkhorn's round count and each eps (and its sign) visibly move the result: the
+    reference itself is checked to move by > 20x the tolerance when any of them changes."""
+    from dsv4.ops.mhc import mhc_pre_norm_ref
+
+    x, fn, base, scale = _slow_inputs(1, 3, 128, dev, seed=11)
+    w = (1 + 0.3 * torch.randn(128, generator=torch.Generator().manual_seed(2))).to(torch.bfloat16).to(dev)
+    for cfg in ((20, 1e-6, 1e-6, 1e-6), (20, 1e-2, 0.5, 0.25)):
+        def ref(iters, hc_eps, norm_eps, eps):
+            return mhc_pre_norm_ref(x, fn, base, scale, 4, iters, hc_eps, norm_eps, w, eps)
+        want = ref(*cfg)
+        iters, hc_eps, norm_eps, eps = cfg
+        if hc_eps < 1e-3:  # one Sinkhorn round more or fewer shows
+            moved = [ref(iters - 1, *cfg[1:])[2], ref(iters + 1, *cfg[1:])[2]]
+        else:  # each eps large enough that its sign shows
+            moved = [ref(iters, -hc_eps, norm_eps, eps)[2], ref(iters, hc_eps, -norm_eps, eps)[1]]
+            assert _far(ref(iters, hc_eps, norm_eps, -eps)[0], want[0], "op_bf16_out")
+        for m in moved:
+            assert _far(m, want[2] if m.shape == want[2].shape else want[1], "op_fp32_out")
+        got = fast_pre_norm(x, fn, base, scale, *cfg, w)
+        for a, b, name in zip(got, want, ("op_bf16_out", "op_fp32_out", "op_fp32_out")):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            assert_close_rel(a, b, name)
+
+
+@(pytest.mark.gpu if CUDA else (lambda f: f))
+@pytest.mark.parametrize("impl", ["triton", "cuda"])
+def test_sinkhorn_iterations_and_eps_count(impl):
+    """The fast mhc_pre_norm (Triton: interpreted on the CPU, compiled on a GPU; the CUDA boundary kernel of decode
+    rows on a GPU) runs the Sinkhorn's given number of rounds and adds each eps where the reference does."""
+    if impl == "triton":
+        fast = _fast()
+        def run(x, fn, base, scale, iters, hc_eps, norm_eps, eps, w):
+            return fast.mhc_pre_norm(x, fn, base, scale, 4, iters, hc_eps, norm_eps, w, eps)
+    else:
+        from dsv4.kernels import cuda as cuda_kernels
+
+        if not CUDA or cuda_kernels.load() is None:
+            pytest.skip("needs CUDA and the built kernels")
+        from dsv4.ops import mhc_cuda
+
+        def run(x, fn, base, scale, iters, hc_eps, norm_eps, eps, w):
+            assert mhc_cuda.applies(x, fn, base, scale, 4, iters, w)
+            return mhc_cuda.boundary(x, fn, base, scale, iters, hc_eps, norm_eps, w, eps)
+    check_iterations_and_eps_count(run, "cuda" if CUDA else "cpu")
 
 
 @pytest.mark.parametrize("S,slots", [(1, [2]), (3, [0, 1]), (5, [3, 0, 1, 2])])
