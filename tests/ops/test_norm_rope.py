@@ -61,6 +61,36 @@ def test_fast_matches_reference(B, S, H, D, rd, dtype):
             assert_close_rel(kv_out, ref_kv, name)
 
 
+def test_eps_counts():
+    """eps large enough to move every norm far past its tolerance (x of RMS ~1, eps 0.5): the fast rmsnorm,
+    rmsnorm_quant and qkv_norm_rope (the queries' statistic in both precisions, kv's norm plain, FP8-simulated and
+    packed) add it where their references do."""
+    from dsv4.ops.kv_pack import kv_unpack_ref
+    from dsv4.testing import TOLERANCES
+
+    fast = _fast()
+    x, w, cos, sin = _case(1, 3, 2, 128, 64, torch.bfloat16, seed=5)
+    x = x / 3
+    kv = x[:, :, 0] + 0.5
+    eps = 0.5
+
+    def check(got, ref, name):  # ref(eps) within tolerance, ref(-eps) far outside it
+        want, other = ref(eps).float(), ref(-eps).float()
+        tol = TOLERANCES[name][0] * float(want.abs().max())
+        assert float((want - other).abs().max()) > 20 * tol
+        assert_close_rel(got, want.to(got.dtype), name)
+
+    check(fast.rmsnorm(x, w, eps), lambda e: rmsnorm_ref(x, w, e), "op_bf16_out")
+    check(fast.rmsnorm_quant(x[0, :, 0], w, eps).x, lambda e: rmsnorm_ref(x[0, :, 0], w, e), "op_bf16_out")
+    for low in (False, True):
+        for fp8 in (0, 64):
+            q_out, kv_out = fast.qkv_norm_rope(x, kv, w, eps, cos, sin, low, fp8)
+            check(q_out, lambda e: q_norm_rope_ref(x, cos, sin, e, low), "op_bf16_stat" if low else "op_bf16_out")
+            check(kv_out, lambda e: kv_norm_rope_ref(kv, w, e, cos, sin, fp8), "op_bf16_out")
+    _, packed = fast.qkv_norm_rope(x, kv, w, eps, cos, sin, True, 64, pack=True)
+    check(kv_unpack_ref(packed, 128), lambda e: kv_norm_rope_ref(kv, w, e, cos, sin, 64), "op_bf16_out")
+
+
 def test_qkv_norm_rope_other_kv_width():
     # the query's and kv's rows of different widths in one launch (the kv row's block is its own power of two)
     fast = _fast()
