@@ -60,11 +60,14 @@ def test_decode_steps_match_reference(ratio, overlap, d, quant, dtype):
     ref_st = CompressorState(1, ratio, d, overlap, 64, dtype, DEV)
     fast_st = CompressorState(1, ratio, d, overlap, 64, dtype, DEV)
     steps = 3 * ratio + 2 if ratio <= 8 else ratio + 3
+    # exact numerics with an eps that matters (the pooled rows' mean square is ~0.4: its sign moves an entry ~10%,
+    # far past the fp32 tolerance), so where the finish adds it shows
+    eps = 0.05 if quant is None else 1e-6
     for p in range(steps):
         c = torch.randn(1, 1, C, generator=g).to(DEV)
         gg = torch.randn(1, 1, C, generator=g).to(DEV)
         start = torch.tensor([p], device=DEV)
-        args = (ape, norm_w, 1e-6, rope.cos, rope.sin)
+        args = (ape, norm_w, eps, rope.cos, rope.sin)
         compressor_ref(c, gg, *args, ref_st.kv, ref_st.score, ref_st.entries, start, ratio, overlap, quant)
         fast(c, gg, *args, fast_st.kv, fast_st.score, fast_st.entries, start, ratio, overlap, quant)
         assert torch.equal(fast_st.score, ref_st.score), p
