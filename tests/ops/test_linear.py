@@ -106,6 +106,22 @@ def test_linear_formats(fmt, m):
 
 
 @cpu_tier
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4", "nvfp4", "bf16"])
+def test_linear_gemv_over_several_k_steps(fmt, m):
+    # K = 2432 (19 blocks of 128): the decode GEMV's K loop runs 2-5 steps of BK (2048 for FP4, 512-1024 else) with
+    # a partial last step (at K = 256 every format's BK holds the whole row), so each step's weight, scale and
+    # activation offsets count
+    w = _weight(fmt, 72, 2432, seed=31 + m)
+    x = _x((m, 2432), torch.bfloat16, seed=32 + m)
+    assert lt._gemv_config(w.fmt, lt._ELEM_BYTES.get(w.fmt, w.weight.element_size()), m, 72, 2432, 1,
+                           lt._num_sms(x.device), True)[2] < 2432
+    assert lt._use_gemv(w.fmt, m, w.n, 1) == (m == 1 or fmt in ("fp8", "bf16"))  # FP4 at 3 tokens: tensor cores
+    for act_quant, out_dtype in ((True, torch.bfloat16), (False, torch.float32)):
+        _check(x, w, act_quant, out_dtype)
+
+
+@cpu_tier
 @pytest.mark.parametrize("m", [16, 17])
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4", "bf16"])
 def test_linear_h200_configs(fmt, m, monkeypatch):
