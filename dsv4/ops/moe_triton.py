@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.ops.triton_util import arrival_counters, rne_bf16, ue8m0_scale
+from dsv4.ops.triton_util import arrival_counters, e4m3_round, rne_bf16, ue8m0_scale
 
 from dsv4.ops.linear import ACT_BLOCK, PreparedLinear
 
@@ -63,19 +63,6 @@ _TWO118 = tl.constexpr(2.0 ** 118)
 
 
 @triton.jit
-def _e4m3_rne(v):
-    """v (fp32) clamped to +-448 and rounded to the nearest e4m3 value, ties to even, as fp32 (exact).
-
-    Adding c = 1.5 * 2^(e + 20), e = max(exponent(v), -6), leaves the sum an ulp of 2^(e - 3), the e4m3 spacing
-    (2^-9 on the subnormal grid), so fp32's RNE rounds onto the e4m3 grid and subtracting c is exact. Same result
-    as cvt.rn.satfinite; used under the interpreter, whose fp32 -> fp8 cast mis-rounds exponent carries."""
-    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
-    e = tl.maximum((v.to(tl.int32, bitcast=True) >> 23) & 0xFF, 121)
-    c = (((e + 20) << 23) | 0x400000).to(tl.float32, bitcast=True)
-    return (v + c) - c
-
-
-@triton.jit
 def _act_sim(xv, R: tl.constexpr, C: tl.constexpr, HW: tl.constexpr):
     """fp32 [R, C], C a multiple of 128 -> q * s per 1x128 block (act_quant_sim_ref), fp32 (exact in bf16).
     Blocks are 128 consecutive columns; a permutation inside groups of 8 columns keeps them."""
@@ -85,7 +72,7 @@ def _act_sim(xv, R: tl.constexpr, C: tl.constexpr, HW: tl.constexpr):
     if HW:
         q = tl.minimum(tl.maximum(v, -448.0), 448.0).to(tl.float8e4nv).to(tl.float32)
     else:
-        q = _e4m3_rne(v)
+        q = e4m3_round(tl.minimum(tl.maximum(v, -448.0), 448.0))
     return tl.reshape(q * s[:, :, None], [R, C])
 
 
@@ -237,7 +224,7 @@ def _x_tile(x_ptr, xoff, xkb, xok, cols, K, IN_Q: tl.constexpr, SPLIT: tl.conste
             if HW:
                 xv = tl.minimum(tl.maximum(v, -448.0), 448.0).to(tl.float8e4nv).to(tl.float32)
             else:
-                xv = _e4m3_rne(v)
+                xv = e4m3_round(tl.minimum(tl.maximum(v, -448.0), 448.0))
         else:
             xv = _act_sim(xv, BM, BK, HW)
     return xv, sa
