@@ -249,6 +249,10 @@ def test_experts_interpreted_other_numerics():
     _check_experts(2, 128, 128, 4, 2, "dense", "dense", "cpu", seed=5, act_quant=False, x_dtype=torch.float32)
     _check_experts(6, 128, 128, 4, 2, "fp8", "fp8", "cpu", seed=6, x_dtype=torch.float32)
     _check_experts(3, 128, 128, 4, 2, "mxfp4", "fp8", "cpu", seed=7, act_quant=False, limit=0.0)
+    # dense weights whose K (D = 200, inter = 72) no power-of-two BK divides: the masked K tails (EVEN_K false; FP4
+    # and FP8 K always split evenly), the one-token decode and the sorted paths
+    _check_experts(1, 200, 72, 4, 2, "dense", "dense", "cpu", seed=21, act_quant=False)
+    _check_experts(19, 200, 72, 4, 2, "dense", "dense", "cpu", seed=22, act_quant=False)
 
 
 @pytest.fixture
