@@ -241,6 +241,9 @@ def test_experts_interpreted_chunked_shared():
     # inter 512: the decode down kernel stacks the shared expert's K in chunks; hash-style repeated ids
     _check_experts(1, 128, 512, 4, 2, "mxfp4", "fp8", "cpu", seed=11)
     _check_experts(2, 128, 512, 4, 3, "nvfp4", "mxfp4", "cpu", seed=12, distinct=False)
+    # an NVFP4 shared expert: its three weights' own global scales (the routed NVFP4 pairs share w1's and w3's)
+    _check_experts(1, 128, 256, 4, 2, "mxfp4", "nvfp4", "cpu", seed=14)
+    _check_experts(3, 128, 128, 4, 2, "mxfp4", "nvfp4", "cpu", seed=15)
 
 
 @cpu_tier
