@@ -296,6 +296,37 @@ def test_prefill_sort_interpreted(P, pp):
 
 
 @cpu_tier
+@pytest.mark.parametrize("shared", [False, True])
+def test_combine_interpreted(shared):
+    # the prefill's last step alone at a width past one column block (BD = 1024: three blocks, the last partial):
+    # per token its k outputs in ascending expert order (ties by slot), then the shared expert's, summed in fp32 and
+    # rounded to bf16
+    import triton
+
+    mt = _fast()
+    T, k, D = 3, 3, 2100
+    g = _gen(31 + shared)
+    idx = torch.tensor([[5, 1, 5], [0, 7, 2], [3, 3, 3]])
+    # in each token's order the first two outputs cancel (B, -B, B ~ 2^20) and the third is ~1: summed in that order
+    # the third survives, in any other it is lost to rounding and the sum is 0 or +-B (the shared output, ~1, adds last)
+    big = (torch.randn(T, D, generator=g) * 2**20).to(torch.bfloat16)
+    ys = torch.randn(T * (k + 1), D, generator=g).to(torch.bfloat16)
+    for t, (j0, j1) in enumerate([(1, 0), (0, 2), (0, 1)]):  # the first two slots in ascending (expert, slot) order
+        ys[t * k + j0], ys[t * k + j1] = big[t], -big[t]
+    y = torch.full((T, D), float("nan"), dtype=torch.bfloat16)
+    BD = min(1024, triton.next_power_of_2(D))
+    mt._moe_combine_kernel[(T, triton.cdiv(D, BD))](ys, idx, y, T, D, KTOP=k, KP=4, HAS_SHARED=shared, BF16=True,
+                                                     BD=BD, num_warps=4)
+    want = torch.empty(T, D)
+    for t in range(T):
+        acc = torch.zeros(D)
+        for j in sorted(range(k), key=lambda j: (int(idx[t, j]), j)):
+            acc = acc + ys[t * k + j].float()
+        want[t] = acc + ys[T * k + t].float() if shared else acc
+    assert_bitwise_equal(y, want.to(torch.bfloat16), "moe combine")
+
+
+@cpu_tier
 def test_experts_deterministic_interpreted():
     fast, args, y = _check_experts(5, 128, 128, 8, 2, "mxfp4", "fp8", "cpu", seed=8)
     assert torch.equal(fast.moe_experts(*args), y)
