@@ -96,10 +96,11 @@ def _check_experts(T, D, N, E, k, fmt, sfmt, dev, seed, act_quant=True, x_dtype=
     return fast, (x, wts, idx, w1, w2, w3, shared, limit, act_quant), y
 
 
-def _router_inputs(T, D, E, k, dev, seed, hashed, vocab=97, x_dtype=torch.bfloat16, w_dtype=torch.bfloat16):
+def _router_inputs(T, D, E, k, dev, seed, hashed, vocab=97, x_dtype=torch.bfloat16, w_dtype=torch.bfloat16,
+                   logit_scale=1.0):
     g = _gen(seed)
     x = torch.randn(T, D, generator=g).to(x_dtype).to(dev)
-    weight = (torch.randn(E, D, generator=g) * D ** -0.5).to(w_dtype).to(dev)
+    weight = (torch.randn(E, D, generator=g) * logit_scale * D ** -0.5).to(w_dtype).to(dev)
     bias = None if hashed else (torch.randn(E, generator=g) * 0.1).to(dev)
     tid2eid = torch.rand(vocab, E, generator=g).argsort(-1)[:, :k].to(dev) if hashed else None
     ids = torch.randint(0, vocab, (T,), generator=g).to(dev)
@@ -107,9 +108,10 @@ def _router_inputs(T, D, E, k, dev, seed, hashed, vocab=97, x_dtype=torch.bfloat
 
 
 def _check_router(T, D, E, k, func, hashed, dev, seed, norm=True, scale=1.5, x_dtype=torch.bfloat16,
-                  w_dtype=torch.bfloat16):
+                  w_dtype=torch.bfloat16, logit_scale=1.0):
     fast = _fast()
-    x, weight, bias, tid2eid, ids = _router_inputs(T, D, E, k, dev, seed, hashed, x_dtype=x_dtype, w_dtype=w_dtype)
+    x, weight, bias, tid2eid, ids = _router_inputs(T, D, E, k, dev, seed, hashed, x_dtype=x_dtype, w_dtype=w_dtype,
+                                                   logit_scale=logit_scale)
     args = (x, weight, bias, tid2eid, ids, func, k, norm, scale)
     w, i = fast.router(*args)
     wr, ir = router_ref(*args)
@@ -144,6 +146,14 @@ def _check_router(T, D, E, k, func, hashed, dev, seed, norm=True, scale=1.5, x_d
     (3, 16, 4, "softmax", False), (5, 16, 6, "sqrtsoftplus", True), (2, 12, 6, "sigmoid", True)])
 def test_router_interpreted(T, E, k, func, hashed):
     _check_router(T, 192, E, k, func, hashed, "cpu", seed=T * 31 + E)
+
+
+@cpu_tier
+@pytest.mark.parametrize("func", ["softmax", "sqrtsoftplus"])
+def test_router_large_logits_interpreted(func):
+    # logits ~ +-100 (exp overflows fp32 past 88.7): the softmax subtracts its row maximum, the softplus takes its
+    # large-argument branch
+    _check_router(5, 192, 16, 4, func, False, "cpu", seed=9, logit_scale=60.0)
 
 
 @cpu_tier
