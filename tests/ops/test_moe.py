@@ -178,7 +178,8 @@ def test_router_gemm_interpreted(x_dtype):
 
 @cpu_tier
 @pytest.mark.parametrize("T,fmt,sfmt", [
-    (1, "mxfp4", "fp8"), (2, "nvfp4", "fp8"), (4, "mxfp4", None), (7, "mxfp4", "fp8"), (9, "nvfp4", "fp8")])
+    (1, "mxfp4", "fp8"), (1, "nvfp4", "fp8"), (2, "nvfp4", "fp8"), (4, "mxfp4", None), (7, "mxfp4", "fp8"),
+    (9, "nvfp4", "fp8")])
 def test_experts_interpreted(T, fmt, sfmt):
     _check_experts(T, 256, 128, 8, 3, fmt, sfmt, "cpu", seed=T, distinct=T != 7)
 
