@@ -69,10 +69,8 @@ def _act_sim(xv, R: tl.constexpr, C: tl.constexpr, HW: tl.constexpr):
     xb = tl.reshape(xv, [R, C // 128, 128])
     s, inv = ue8m0_scale(tl.max(tl.abs(xb), axis=2))
     v = xb * inv[:, :, None]
-    if HW:
-        q = tl.minimum(tl.maximum(v, -448.0), 448.0).to(tl.float8e4nv).to(tl.float32)
-    else:
-        q = e4m3_round(tl.minimum(tl.maximum(v, -448.0), 448.0))
+    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+    q = v.to(tl.float8e4nv).to(tl.float32) if HW else e4m3_round(v)
     return tl.reshape(q * s[:, :, None], [R, C])
 
 
@@ -221,10 +219,8 @@ def _x_tile(x_ptr, xoff, xkb, xok, cols, K, IN_Q: tl.constexpr, SPLIT: tl.conste
         if SPLIT:
             sa, inv = ue8m0_scale(tl.max(tl.abs(xv), axis=1))
             v = xv * inv[:, None]
-            if HW:
-                xv = tl.minimum(tl.maximum(v, -448.0), 448.0).to(tl.float8e4nv).to(tl.float32)
-            else:
-                xv = e4m3_round(tl.minimum(tl.maximum(v, -448.0), 448.0))
+            v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+            xv = v.to(tl.float8e4nv).to(tl.float32) if HW else e4m3_round(v)
         else:
             xv = _act_sim(xv, BM, BK, HW)
     return xv, sa
