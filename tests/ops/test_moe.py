@@ -43,6 +43,14 @@ def _on(p: PreparedLinear, dev) -> PreparedLinear:
     return PreparedLinear(p.fmt, p.n, p.k, mv(p.weight), mv(p.scale), mv(p.global_scale))
 
 
+def _fp8_blocks(w, g):
+    """w [..., n, k] times a power of two per 128x128 block (2^-2 .. 2^2): the blocks' E8M0 scales differ, so a kernel
+    that reads another block's scale fails (random Gaussian blocks all round to the same scale)."""
+    n, k = w.shape[-2:]
+    f = 2.0 ** torch.randint(-2, 3, (*w.shape[:-2], -(-n // 128), -(-k // 128)), generator=g, device=g.device)
+    return w * f.repeat_interleave(128, -2)[..., :n, :].repeat_interleave(128, -1)[..., :k]
+
+
 def _weights(fmt, E, n, k, g, dev, pair=False):
     """E experts [n, k] in fmt, prepared and stacked (pair: a list of two stacks quantized as NVFP4 w1/w3 pairs).
     g: a generator on dev (random weights are drawn where they are used)."""
@@ -57,12 +65,14 @@ def _weights(fmt, E, n, k, g, dev, pair=False):
     if fmt == "nvfp4":
         return _on(stack_prepared([prepare_linear(formats.Nvfp4Weight.quantize(w[e])) for e in range(E)]), dev)
     if fmt == "fp8":
+        w = _fp8_blocks(w, g)
         return stack_prepared([prepare_linear(formats.Fp8BlockWeight.quantize(w[e])) for e in range(E)])
     return stack_prepared([prepare_linear(formats.DenseWeight.quantize(w[e])) for e in range(E)])
 
 
 def _single(fmt, n, k, g, dev):
     w = torch.randn(n, k, generator=g, device=g.device) * k ** -0.5
+    w = _fp8_blocks(w, g) if fmt == "fp8" else w
     cls = {"fp8": formats.Fp8BlockWeight, "mxfp4": formats.Mxfp4Weight, "nvfp4": formats.Nvfp4Weight,
            "dense": formats.DenseWeight}[fmt]
     return _on(prepare_linear(cls.quantize(w)), dev)
@@ -108,7 +118,7 @@ def _router_inputs(T, D, E, k, dev, seed, hashed, vocab=97, x_dtype=torch.bfloat
 
 
 def _check_router(T, D, E, k, func, hashed, dev, seed, norm=True, scale=1.5, x_dtype=torch.bfloat16,
-                  w_dtype=torch.bfloat16, logit_scale=1.0):
+                  w_dtype=torch.bfloat16, logit_scale=1.0, fused=None):
     fast = _fast()
     x, weight, bias, tid2eid, ids = _router_inputs(T, D, E, k, dev, seed, hashed, x_dtype=x_dtype, w_dtype=w_dtype,
                                                    logit_scale=logit_scale)
@@ -118,7 +128,8 @@ def _check_router(T, D, E, k, func, hashed, dev, seed, norm=True, scale=1.5, x_d
     assert i.dtype == torch.int64 and w.dtype == torch.float32
     from dsv4.ops.triton_util import _COUNTERS
     counters = _COUNTERS.get((x.device, "router", "main"))  # the fused router's arrival counters are left at zero
-    assert (T >= 16 and w_dtype == torch.bfloat16) or (counters is not None and not counters.any())
+    fused = not (T >= 16 and w_dtype == torch.bfloat16) if fused is None else fused
+    assert not fused or (counters is not None and not counters.any())
     diff = (i != ir).any(-1)
     if bool(diff.any()):  # allowed only where the reference's own scores tie to 1e-5 (fp32 summation order)
         logits = x.float() @ weight.float().T
@@ -170,10 +181,19 @@ def test_router_fused_token_blocks_interpreted(hashed):
 
 
 @cpu_tier
-@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
-def test_router_gemm_interpreted(x_dtype):
-    # T >= 16: the logits run as a tensor-core GEMM (fp32 activations split into three bf16 parts on a GPU)
-    _check_router(20, 256, 64, 6, "sqrtsoftplus", False, "cpu", seed=20, x_dtype=x_dtype)
+@pytest.mark.parametrize("T,x_dtype", [(20, torch.bfloat16), (20, torch.float32), (40, torch.bfloat16)])
+def test_router_gemm_interpreted(T, x_dtype):
+    # T >= 16: the logits run as a tensor-core GEMM (fp32 activations split into three bf16 parts on a GPU); 64
+    # experts are two expert tiles, 40 tokens two token tiles
+    _check_router(T, 256, 64, 6, "sqrtsoftplus", False, "cpu", seed=T, x_dtype=x_dtype)
+
+
+@cpu_tier
+def test_router_unfused_interpreted(monkeypatch):
+    # more token blocks than the fused router has arrival counters: logits GEMV then a separate selection launch
+    # (40 tokens, 32 experts: a 2 x 3 grid of logits programs)
+    monkeypatch.setattr(_fast(), "ROUTER_COUNTERS", 2)
+    _check_router(40, 128, 32, 4, "sigmoid", False, "cpu", seed=41, w_dtype=torch.float32, fused=False)
 
 
 @cpu_tier
@@ -261,7 +281,7 @@ def test_experts_interpreted_chunked_shared():
 def test_experts_interpreted_other_numerics():
     # exact numerics (no activation quantization, fp32 activations, bf16 dense weights) and fp32 + FP8 simulation
     _check_experts(2, 128, 128, 4, 2, "dense", "dense", "cpu", seed=5, act_quant=False, x_dtype=torch.float32)
-    _check_experts(6, 128, 128, 4, 2, "fp8", "fp8", "cpu", seed=6, x_dtype=torch.float32)
+    _check_experts(6, 256, 256, 4, 2, "fp8", "fp8", "cpu", seed=6, x_dtype=torch.float32)
     _check_experts(3, 128, 128, 4, 2, "mxfp4", "fp8", "cpu", seed=7, act_quant=False, limit=0.0)
     # dense weights whose K (D = 200, inter = 72) no power-of-two BK divides: the masked K tails (EVEN_K false; FP4
     # and FP8 K always split evenly), the one-token decode and the sorted paths
