@@ -58,7 +58,9 @@ def _weight(fmt: str, n: int, k: int, seed: int, device: str = DEV):
         return prepare_linear(formats.DenseWeight.quantize(w, torch.bfloat16))
     if fmt == "f32":
         return prepare_linear(formats.DenseWeight.quantize(w.bfloat16().float(), torch.float32))
-    if fmt == "fp8":
+    if fmt == "fp8":  # a power of two per 128x128 block: the blocks' scales differ (Gaussian blocks share one)
+        f = 2.0 ** torch.randint(-2, 3, (-(-n // 128), -(-k // 128)), generator=g, device=device)
+        w = w * f.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
         return prepare_linear(formats.Fp8BlockWeight.quantize(w))
     if fmt == "mxfp4":
         return prepare_linear(formats.Mxfp4Weight.quantize(w))

@@ -31,7 +31,9 @@ def _lc():
 def _weight(fmt: str, n: int, k: int, seed: int):
     g = torch.Generator(device="cuda").manual_seed(seed)
     w = torch.randn(n, k, generator=g, device="cuda") * k ** -0.5
-    if fmt == "fp8":
+    if fmt == "fp8":  # a power of two per 128x128 block: the blocks' scales differ (Gaussian blocks share one)
+        f = 2.0 ** torch.randint(-2, 3, (-(-n // 128), -(-k // 128)), generator=g, device="cuda")
+        w = w * f.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
         return prepare_linear(formats.Fp8BlockWeight.quantize(w))
     return prepare_linear(formats.DenseWeight.quantize(w, torch.bfloat16))
 
