@@ -309,9 +309,9 @@ def race_fast():
     from dsv4 import ops
 
     ops.configure("ref", "cuda", {"sample_race": "fast"})
-    Engine.USE_RACE = True
+    saved, Engine.USE_RACE = Engine.USE_RACE, True
     yield
-    Engine.USE_RACE = False
+    Engine.USE_RACE = saved
     ops.configure("ref", "cpu")
 
 
@@ -378,7 +378,7 @@ def test_requests_compile_no_kernel_after_load(tokenizer, monkeypatch):
     from dsv4.testing import triton_kernels_compiled
 
     ops.configure("fast", "cuda")
-    monkeypatch.setattr(Engine, "USE_RACE", True)  # (off by default until its GPU tests pass: Engine.USE_RACE)
+    monkeypatch.setattr(Engine, "USE_RACE", True)  # (the default; set here so that the test keeps checking the race)
     try:
         raw = tiny_config([4, 0, 16], n_mtp=0, vocab=VOCAB, head_dim=128, rope_dim=64, index_dim=64, index_topk=4,
                           max_pos=2048)
@@ -387,7 +387,9 @@ def test_requests_compile_no_kernel_after_load(tokenizer, monkeypatch):
         assert eng.warm_up_positions() == [128, 256, 512, 1024]
         before = triton_kernels_compiled()
         assert sum(before.values()) > 0  # the load compiled them
-        for n in (777, 130, 129, 258, 1000, 3, 1411, 1900, 44):
+        # every chunk length at position 0 and after a full chunk (a chunk's window count T is 16 or 32 for some
+        # lengths only: the compressor's chunk kernels compiled there; 70th pass), then tails further on
+        for n in (*range(1, 257), 777, 1000, 1411, 1900):
             eng.generate_ids(prompt_ids(n, n), SamplingParams(temperature=0, max_new_tokens=2))
         assert eng.fast_race  # temperature and top-p draw through ops.sample_race, compiled at load too
         eng.generate_ids(prompt_ids(9, 9), SamplingParams(temperature=0.8, seed=1, max_new_tokens=3))

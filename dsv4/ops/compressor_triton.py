@@ -38,7 +38,8 @@ import triton.language as tl
 from dsv4.ops.compressor import compressor_ref, finish_entries
 from dsv4.ops.hadamard_triton import fp4_sim_rows, hadamard_rows, hadamard_scale, store_packed_key
 from dsv4.ops.kv_pack import is_packed, key_row_bytes, kv_row_bytes
-from dsv4.ops.triton_util import arrival_counters, cast, e4m3_round, round_to, store_packed_kv, ue8m0_scale
+from dsv4.ops.triton_util import (JitTwins, arrival_counters, cast, e4m3_round, round_to, store_packed_kv,
+                                  ue8m0_scale)
 
 MAX_ROWS = 256  # batch rows with an arrival counter (the decode step runs one); more run the reference
 
@@ -230,7 +231,6 @@ def _window_rows(c_ptr, g_ptr, ape_ptr, kv_ptr, sc_ptr, b, w, pos0, S, C, scb, s
     return v, g
 
 
-@triton.jit
 def _chunk_pool_kernel(c_ptr, g_ptr, ape_ptr, kv_ptr, sc_ptr, e_ptr, start_ptr, S, T, C, d, scb, scs, sgb, sgs,
                        R: tl.constexpr, OVERLAP: tl.constexpr, RP: tl.constexpr, BLOCK: tl.constexpr):
     # program (b T + t, channel block): window w0 + t's pooled values of BLOCK channels -> e[b, t] (fp32 scratch);
@@ -266,7 +266,6 @@ def _chunk_pool_kernel(c_ptr, g_ptr, ape_ptr, kv_ptr, sc_ptr, e_ptr, start_ptr, 
     tl.store(e_ptr + bt * d + ch, e, mask=cm)
 
 
-@triton.jit
 def _chunk_finish_kernel(c_ptr, g_ptr, ape_ptr, kv_ptr, sc_ptr, e_ptr, start_ptr, S, T, C, d, scb, scs, sgb, sgs,
                          w_ptr, cos_ptr, sin_ptr, ent_ptr, ent16_ptr, n_rows, eps, n_pos,
                          R: tl.constexpr, OVERLAP: tl.constexpr, RP: tl.constexpr, CB: tl.constexpr,
@@ -314,6 +313,13 @@ def _chunk_finish_kernel(c_ptr, g_ptr, ape_ptr, kv_ptr, sc_ptr, e_ptr, start_ptr
             tl.debug_barrier()
 
 
+# a prefill chunk's length S and the windows T it touches change with the chunk: not specialized outside the decode
+# graphs (triton_util.JitTwins). T = 16 or 32 (ratio 4, S = 58-61 or 122-125) is the only 16-divisible T of a chunk
+# (S is then not): such a chunk compiled both kernels during its request (2 s of time to first token; 70th pass)
+_chunk_pool = JitTwins(_chunk_pool_kernel, ["S", "T"])
+_chunk_finish = JitTwins(_chunk_finish_kernel, ["S", "T"])
+
+
 def _chunk(c, g, ape, norm_w, eps, cos_tab, sin_tab, kv_state, score_state, entries, start, ratio, overlap, quant):
     B, S, C = c.shape
     d = C // 2 if overlap else C
@@ -323,10 +329,10 @@ def _chunk(c, g, ape, norm_w, eps, cos_tab, sin_tab, kv_state, score_state, entr
     rp = triton.next_power_of_2(ratio)
     common = (c, g, ape.contiguous(), kv_state, score_state, e, start, S, T, C, d, c.stride(0), c.stride(1),
               g.stride(0), g.stride(1))
-    _chunk_pool_kernel[(B * T, triton.cdiv(d, blk))](*common, R=ratio, OVERLAP=overlap, RP=rp, BLOCK=blk)
+    _chunk_pool[(B * T, triton.cdiv(d, blk))](*common, R=ratio, OVERLAP=overlap, RP=rp, BLOCK=blk)
     rd2 = cos_tab.shape[-1]
     nope = d - 2 * rd2
-    _chunk_finish_kernel[(B, T + 1)](
+    _chunk_finish[(B, T + 1)](
         *common, norm_w, cos_tab.contiguous(), sin_tab.contiguous(), entries, _view16(entries), entries.shape[1], eps,
         cos_tab.shape[0], R=ratio, OVERLAP=overlap, RP=rp, CB=max(16, min(triton.next_power_of_2(C), 8192 // rp)), RD2=rd2,
         NOPE=nope, NB_P=triton.next_power_of_2(max(nope // 64, 1)), QUANT={None: 0, "fp8": 1, "fp4": 2}[quant],
