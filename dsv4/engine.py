@@ -352,12 +352,9 @@ class Engine:
             if prefill_graphs and max_context > 2 * PREFILL_CHUNK and prefill_graphs_apply():
                 self.prefill = PrefillRunner(model, self.state, PREFILL_CHUNK)
 
-    # draws through ops.sample_race where its fast backend is bound: off until the engine's race tests pass on a GPU.
-    # tests/ops/test_sample.py passes there (66th pass: the 65th pass's 10 failures were its reference's, which made
-    # Philox words on the CPU); in the one GPU run since, the engine's step-ahead test of the race (top-p among its
-    # draws) had not finished after 200 s, and a top-p draw took 257 us; torch's sampler draws meanwhile (the GPU tests
-    # of the engine's race path set it)
-    USE_RACE = False
+    # draws through ops.sample_race where its fast backend is bound (70th pass: the engine's step-ahead test of the
+    # race passed on a GPU in 6 s, a Flash-vocabulary top-p draw took 47-59 us on an H100); False draws with torch's sampler
+    USE_RACE = True
 
     # called with (prompt tokens done, prompt tokens to prefill) before the prefill and after each chunk (the CLI's
     # progress line)
