@@ -108,6 +108,21 @@ def test_linear_formats(fmt, m):
 
 
 @cpu_tier
+@pytest.mark.parametrize("m", [1, 17])  # the GEMV and the tensor-core kernel
+def test_mxfp4_scale_byte_255_is_nan(m):
+    # E8M0 byte 255 encodes NaN (formats.e8m0_to_float): the rows whose blocks carry it are NaN in both paths, the rest
+    # as the reference
+    w = _weight("mxfp4", 200, 256, seed=7)
+    w.scale.view(torch.uint8)[[5, 130], [2, 7]] = 255
+    x = _x((m, 256), torch.bfloat16, seed=8)
+    got, ref = lt.linear(x, w, True, torch.float32), linear_ref(x, w, True, torch.float32)
+    nan = torch.zeros(200, dtype=torch.bool, device=x.device)
+    nan[[5, 130]] = True
+    assert torch.equal(got.isnan(), nan.expand(m, -1)) and torch.equal(ref.isnan(), nan.expand(m, -1))
+    assert_close_rel(got[:, ~nan], ref[:, ~nan], _tolerance(x, w, True, torch.float32))
+
+
+@cpu_tier
 @pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4", "nvfp4", "bf16"])
 def test_linear_gemv_over_several_k_steps(fmt, m):
