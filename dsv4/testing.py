@@ -152,6 +152,15 @@ def graph_replay(fn):
     return want, out
 
 
+def fp8_blocks_apart(w: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """w [..., n, k] times a power of two (2^-2 .. 2^2, drawn from g on w's device) per 128x128 block, ahead of an FP8
+    block quantization: Gaussian blocks all quantize to one E8M0 scale, so a kernel reading another block's scale
+    would pass; with these it fails."""
+    n, k = w.shape[-2:]
+    f = 2.0 ** torch.randint(-2, 3, (*w.shape[:-2], -(-n // 128), -(-k // 128)), generator=g, device=w.device)
+    return w * f.repeat_interleave(128, -2)[..., :n, :].repeat_interleave(128, -1)[..., :k]
+
+
 def tiny_config(ratios: list[int], *, n_mtp: int = 1, num_hash_layers: int = 1, hidden: int = 64,
                 heads: int = 4, head_dim: int = 64, rope_dim: int = 16, window: int = 16, index_topk: int = 5,
                 index_heads: int = 16, index_dim: int = 32, experts: int = 8, topk: int = 2, vocab: int = 300,

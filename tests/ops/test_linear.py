@@ -30,7 +30,7 @@ from dsv4 import formats  # noqa: E402
 from dsv4.ops import linear_triton as lt  # noqa: E402
 from dsv4.ops.act_quant import act_quant_sim_ref  # noqa: E402
 from dsv4.ops.linear import linear_ref, prepare_linear, wo_a_ref  # noqa: E402
-from dsv4.testing import assert_bitwise_equal, assert_close_rel, rel_err, tol  # noqa: E402
+from dsv4.testing import assert_bitwise_equal, assert_close_rel, fp8_blocks_apart, rel_err, tol  # noqa: E402
 
 _INTERPRETED = type(lt._gemv_kernel).__name__ == "InterpretedFunction"
 DEV = "cuda" if CUDA else "cpu"
@@ -58,10 +58,8 @@ def _weight(fmt: str, n: int, k: int, seed: int, device: str = DEV):
         return prepare_linear(formats.DenseWeight.quantize(w, torch.bfloat16))
     if fmt == "f32":
         return prepare_linear(formats.DenseWeight.quantize(w.bfloat16().float(), torch.float32))
-    if fmt == "fp8":  # a power of two per 128x128 block: the blocks' scales differ (Gaussian blocks share one)
-        f = 2.0 ** torch.randint(-2, 3, (-(-n // 128), -(-k // 128)), generator=g, device=device)
-        w = w * f.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
-        return prepare_linear(formats.Fp8BlockWeight.quantize(w))
+    if fmt == "fp8":
+        return prepare_linear(formats.Fp8BlockWeight.quantize(fp8_blocks_apart(w, g)))
     if fmt == "mxfp4":
         return prepare_linear(formats.Mxfp4Weight.quantize(w))
     if fmt == "nvfp4":

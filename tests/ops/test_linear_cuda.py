@@ -18,7 +18,7 @@ from dsv4 import formats
 from dsv4.kernels import cuda as cuda_kernels
 from dsv4.ops.act_quant import act_quant_ref
 from dsv4.ops.linear import PreparedLinear, linear_ref, prepare_linear
-from dsv4.testing import assert_bitwise_equal, assert_close_rel, graph_replay
+from dsv4.testing import assert_bitwise_equal, assert_close_rel, fp8_blocks_apart, graph_replay
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("built_sm90")]
 
@@ -31,10 +31,8 @@ def _lc():
 def _weight(fmt: str, n: int, k: int, seed: int):
     g = torch.Generator(device="cuda").manual_seed(seed)
     w = torch.randn(n, k, generator=g, device="cuda") * k ** -0.5
-    if fmt == "fp8":  # a power of two per 128x128 block: the blocks' scales differ (Gaussian blocks share one)
-        f = 2.0 ** torch.randint(-2, 3, (-(-n // 128), -(-k // 128)), generator=g, device="cuda")
-        w = w * f.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
-        return prepare_linear(formats.Fp8BlockWeight.quantize(w))
+    if fmt == "fp8":
+        return prepare_linear(formats.Fp8BlockWeight.quantize(fp8_blocks_apart(w, g)))
     return prepare_linear(formats.DenseWeight.quantize(w, torch.bfloat16))
 
 

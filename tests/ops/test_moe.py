@@ -14,7 +14,7 @@ import torch
 from dsv4 import formats
 from dsv4.ops.linear import PreparedLinear, prepare_linear, stack_prepared
 from dsv4.ops.moe import moe_experts_ref, router_ref
-from dsv4.testing import assert_bitwise_equal, assert_close_rel
+from dsv4.testing import assert_bitwise_equal, assert_close_rel, fp8_blocks_apart
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
@@ -43,14 +43,6 @@ def _on(p: PreparedLinear, dev) -> PreparedLinear:
     return PreparedLinear(p.fmt, p.n, p.k, mv(p.weight), mv(p.scale), mv(p.global_scale))
 
 
-def _fp8_blocks(w, g):
-    """w [..., n, k] times a power of two per 128x128 block (2^-2 .. 2^2): the blocks' E8M0 scales differ, so a kernel
-    that reads another block's scale fails (random Gaussian blocks all round to the same scale)."""
-    n, k = w.shape[-2:]
-    f = 2.0 ** torch.randint(-2, 3, (*w.shape[:-2], -(-n // 128), -(-k // 128)), generator=g, device=g.device)
-    return w * f.repeat_interleave(128, -2)[..., :n, :].repeat_interleave(128, -1)[..., :k]
-
-
 def _weights(fmt, E, n, k, g, dev, pair=False):
     """E experts [n, k] in fmt, prepared and stacked (pair: a list of two stacks quantized as NVFP4 w1/w3 pairs).
     g: a generator on dev (random weights are drawn where they are used)."""
@@ -65,14 +57,14 @@ def _weights(fmt, E, n, k, g, dev, pair=False):
     if fmt == "nvfp4":
         return _on(stack_prepared([prepare_linear(formats.Nvfp4Weight.quantize(w[e])) for e in range(E)]), dev)
     if fmt == "fp8":
-        w = _fp8_blocks(w, g)
+        w = fp8_blocks_apart(w, g)
         return stack_prepared([prepare_linear(formats.Fp8BlockWeight.quantize(w[e])) for e in range(E)])
     return stack_prepared([prepare_linear(formats.DenseWeight.quantize(w[e])) for e in range(E)])
 
 
 def _single(fmt, n, k, g, dev):
     w = torch.randn(n, k, generator=g, device=g.device) * k ** -0.5
-    w = _fp8_blocks(w, g) if fmt == "fp8" else w
+    w = fp8_blocks_apart(w, g) if fmt == "fp8" else w
     cls = {"fp8": formats.Fp8BlockWeight, "mxfp4": formats.Mxfp4Weight, "nvfp4": formats.Nvfp4Weight,
            "dense": formats.DenseWeight}[fmt]
     return _on(prepare_linear(cls.quantize(w)), dev)
