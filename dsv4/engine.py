@@ -353,7 +353,7 @@ class Engine:
                 self.prefill = PrefillRunner(model, self.state, PREFILL_CHUNK)
 
     # draws through ops.sample_race where its fast backend is bound (70th pass: the engine's step-ahead test of the
-    # race passed on a GPU in 6 s, a Flash-vocabulary top-p draw took 47-59 us on an H100); False draws with torch's sampler
+    # race passed on a GPU in 6 s, a Flash-vocabulary top-p draw took 47-59 us on an H100); False: torch's sampler
     USE_RACE = True
 
     # called with (prompt tokens done, prompt tokens to prefill) before the prefill and after each chunk (the CLI's
